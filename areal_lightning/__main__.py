@@ -1,0 +1,7 @@
+"""``python -m areal_lightning`` runs the ``areal-lightning`` command line."""
+
+import sys
+
+from areal_lightning.cli import main
+
+sys.exit(main())

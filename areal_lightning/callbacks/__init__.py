@@ -1,0 +1,37 @@
+"""Lightning callbacks of areal-lightning, and building them from a config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from areal_lightning.callbacks.hf_saver import HFSaverCallback
+from areal_lightning.config import ExperimentConfig, load_config
+
+__all__ = ["HFSaverCallback", "callbacks_from_config"]
+
+
+def callbacks_from_config(cfg: Any, strict: bool = True, **saver_kwargs: Any) -> list[Callback]:
+    """The enabled callbacks of an experiment config (YAML path, dict, dataclass or ``DictConfig``).
+
+    ``HFSaverCallback`` is included when the ``saver:`` section sets a trigger;
+    ``saver_kwargs`` (``model_attr``, ``tokenizer``, ``name``, ...) go to it.
+
+    Example:
+        >>> cbs = callbacks_from_config({"fileroot": "/tmp/x", "experiment_name": "e",
+        ...                              "trial_name": "t", "saver": {"freq_steps": 10}})
+        >>> [type(c).__name__ for c in cbs]
+        ['HFSaverCallback']
+    """
+    exp = cfg if isinstance(cfg, ExperimentConfig) else load_config(cfg, strict=strict)
+    exp.validate()
+    callbacks: list[Callback] = []
+    if exp.saver.enabled:
+        callbacks.append(HFSaverCallback.from_config(exp, **saver_kwargs))
+    if exp.recover.enabled:
+        raise NotImplementedError(
+            f"recover.mode={exp.recover.mode!r}: RecoverCallback is not part of this version yet; "
+            "set recover.mode=disabled"
+        )
+    return callbacks

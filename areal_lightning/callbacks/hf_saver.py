@@ -1,0 +1,245 @@
+"""``HFSaverCallback``: export the model in HuggingFace format on epoch / step / seconds triggers."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from areal_lightning.commit import clean_stale_tmp, remove_dir
+from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, load_config, validate_name
+from areal_lightning.freq import FreqController
+from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf
+from areal_lightning.layout import TrialLayout
+from areal_lightning._fault import fault_point
+
+__all__ = ["HFSaverCallback"]
+
+log = logging.getLogger(__name__)
+
+ModelAttr = str | Callable[["pl.LightningModule"], Any]
+
+
+class HFSaverCallback(Callback):
+    """Export a ``transformers.PreTrainedModel`` held by the LightningModule, HuggingFace style.
+
+    Exports land in
+    ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/{name}/epoch{E}epochstep{S}globalstep{G}/``
+    (0-based indices) and load with ``AutoModelForCausalLM.from_pretrained`` /
+    ``AutoTokenizer.from_pretrained``. A folder with that name is always complete: it is
+    written aside, fsynced and renamed into place. The same global step is never exported
+    twice. The trigger progress is part of Lightning's callback state, so a resumed run
+    neither double-saves nor skips a save.
+
+    Args:
+        fileroot, experiment_name, trial_name, user: where the trial lives (``user=None``: OS user).
+        name: the model's folder name (one callback per exported model, e.g. ``"critic"``).
+        mode: ``"auto"``, ``"sync"`` or ``"async"``.
+        freq_epochs, freq_steps, freq_secs: triggers; any enabled one fires a save.
+        max_keep: keep only the newest N exports of this model (``None``: keep all).
+        model_attr: attribute name (dots allowed) of the LightningModule holding the
+            ``PreTrainedModel``, or a callable ``module -> PreTrainedModel``.
+        tokenizer: a tokenizer to save with each export; else the module's ``tokenizer``
+            attribute when present.
+        max_shard_size: safetensors shard threshold (``"5GB"``, or bytes).
+
+    Example:
+        >>> saver = HFSaverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
+        ...                         freq_steps=100, max_keep=3)
+        >>> trainer = pl.Trainer(callbacks=[saver])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        fileroot: str | Path,
+        experiment_name: str,
+        trial_name: str,
+        user: str | None = None,
+        name: str = "default",
+        mode: str = "auto",
+        freq_epochs: int | None = None,
+        freq_steps: int | None = None,
+        freq_secs: int | None = None,
+        max_keep: int | None = None,
+        model_attr: ModelAttr = "model",
+        tokenizer: Any = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    ) -> None:
+        exp = ExperimentConfig(
+            fileroot=fileroot,  # type: ignore[arg-type]
+            experiment_name=experiment_name,
+            trial_name=trial_name,
+            user=user,
+            saver=SaverConfig(
+                mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps, freq_secs=freq_secs, max_keep=max_keep
+            ),
+        ).validate()
+        self.name = validate_name(name, "name")
+        if not (callable(model_attr) or (isinstance(model_attr, str) and model_attr.strip())):
+            raise ConfigError("model_attr", f"expected an attribute name or a callable, got {model_attr!r}")
+        if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
+            raise ConfigError("max_shard_size", f"expected bytes (int) or a size string like '5GB', got {max_shard_size!r}")
+        self.config: SaverConfig = exp.saver
+        self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
+        self.model_attr = model_attr
+        self.tokenizer = tokenizer
+        self.max_shard_size = max_shard_size
+        self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
+        self._epoch_start_step = 0
+        self.last_export: Path | None = None
+        self._warned_async = False
+
+    # -- construction from config ---------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg: Any, strict: bool = True, **kwargs: Any) -> "HFSaverCallback":
+        """Build from a whole experiment config (YAML path, dict, dataclass or ``DictConfig``).
+
+        Uses the top-level ``fileroot`` / ``experiment_name`` / ``trial_name`` / ``user`` and
+        the ``saver:`` section; ``kwargs`` (``name``, ``model_attr``, ``tokenizer``,
+        ``max_shard_size``) are passed through. ``strict=False`` ignores unknown top-level
+        keys (for configs that also hold your model and data settings).
+
+        Example:
+            >>> HFSaverCallback.from_config({"fileroot": "/tmp/x", "experiment_name": "e",
+            ...     "trial_name": "t", "saver": {"freq_epochs": 1}}).config.freq_epochs
+            1
+        """
+        exp = cfg if isinstance(cfg, ExperimentConfig) else load_config(cfg, strict=strict)
+        exp.validate()
+        s = exp.saver
+        return cls(
+            fileroot=exp.fileroot,
+            experiment_name=exp.experiment_name,
+            trial_name=exp.trial_name,
+            user=exp.user,
+            mode=s.mode,
+            freq_epochs=s.freq_epochs,
+            freq_steps=s.freq_steps,
+            freq_secs=s.freq_secs,
+            max_keep=s.max_keep,
+            **kwargs,
+        )
+
+    # -- Lightning plumbing ----------------------------------------------------------------
+
+    @property
+    def state_key(self) -> str:
+        """Unique per exported model, so several savers can coexist in one Trainer."""
+        return self._generate_state_key(name=self.name)
+
+    @property
+    def model_dir(self) -> Path:
+        """The folder holding this model's exports."""
+        return self.layout.model_dir(self.name)
+
+    def resolve_model(self, pl_module: "pl.LightningModule") -> Any:
+        """Return the ``PreTrainedModel`` named by ``model_attr``; raise ``TypeError`` otherwise."""
+        from transformers import PreTrainedModel
+
+        if callable(self.model_attr):
+            model = self.model_attr(pl_module)
+            where = f"model_attr callable {self.model_attr!r}"
+        else:
+            try:
+                model = functools.reduce(getattr, self.model_attr.split("."), pl_module)
+            except AttributeError:
+                raise TypeError(
+                    f"HFSaverCallback(name={self.name!r}): {type(pl_module).__name__} has no attribute "
+                    f"{self.model_attr!r}; set model_attr to the attribute holding the PreTrainedModel "
+                    "or to a callable module -> PreTrainedModel"
+                ) from None
+            where = f"attribute {self.model_attr!r}"
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(
+                f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__} is a "
+                f"{type(model).__name__}, not a transformers.PreTrainedModel"
+            )
+        return model
+
+    def resolve_tokenizer(self, pl_module: "pl.LightningModule") -> Any:
+        """The tokenizer given to ``__init__``, else the module's ``tokenizer`` attribute, else ``None``."""
+        return self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        self.resolve_model(pl_module)  # fail before training, not at the first save
+        if self.config.mode == "async" and not self._warned_async:
+            warnings.warn(
+                "HFSaverCallback(mode='async'): async export is not available yet; saving synchronously",
+                stacklevel=2,
+            )
+            self._warned_async = True
+        self.freq.start()
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._epoch_start_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._agree(trainer, self.freq.check_step(trainer.global_step)):
+            self.save(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.freq.check_epoch(trainer.current_epoch + 1, trainer.global_step):
+            self.save(trainer, pl_module)
+
+    def _agree(self, trainer: "pl.Trainer", decision: bool) -> bool:
+        """Seconds triggers differ per rank: take rank 0's decision (one small broadcast)."""
+        if self.freq.uses_clock and trainer.world_size > 1:
+            return bool(trainer.strategy.broadcast(decision, src=0))
+        return decision
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def save(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Path | None:
+        """Export now, named after the last completed step; return the folder (rank 0) or ``None``."""
+        steps = trainer.global_step
+        if steps <= 0:
+            return None
+        self.freq.mark_fired(steps)
+        final = self.layout.export_dir(
+            self.name, trainer.current_epoch, max(steps - self._epoch_start_step - 1, 0), steps - 1
+        )
+        if not trainer.is_global_zero:
+            return None
+        start = time.perf_counter()
+        export_hf(self.resolve_model(pl_module), final, self.resolve_tokenizer(pl_module), max_shard_size=self.max_shard_size)
+        self.last_export = final
+        self._prune()
+        clean_stale_tmp(self.model_dir)
+        log.info("HF export %s written in %.2fs", final, time.perf_counter() - start)
+        return final
+
+    def _prune(self) -> None:
+        if self.config.max_keep is None:
+            return
+        exports = self.layout.list_exports(self.name)
+        for _, path in exports[: max(len(exports) - self.config.max_keep, 0)]:
+            fault_point("hf.prune")
+            remove_dir(path)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trigger progress, the current epoch's first step and the last export (JSON-friendly)."""
+        return {
+            "freq": self.freq.state_dict(),
+            "epoch_start_step": self._epoch_start_step,
+            "last_export": str(self.last_export) if self.last_export else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore progress; the current config's frequencies stay in force."""
+        self.freq.load_state_dict(state_dict.get("freq", {}))
+        self._epoch_start_step = int(state_dict.get("epoch_start_step", 0))
+        last = state_dict.get("last_export")
+        self.last_export = Path(last) if last else None

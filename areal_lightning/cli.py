@@ -1,0 +1,53 @@
+"""The ``areal-lightning`` command line: ``areal-lightning demo [--config FILE] [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from areal_lightning.config import ConfigError
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from areal_lightning.demo import run_demo
+
+    summary = run_demo(args.config, args.overrides)
+    print(f"\ntrained {summary['global_step']} steps")
+    if summary.get("trial_dir"):
+        print(f"trial folder: {summary['trial_dir']}")
+        print("HF exports (load with AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained):")
+        for path in summary["exports"]:
+            print(f"  {path}")
+    for (prompt, text), want in zip(summary["generations"], summary.get("expected", [])):
+        print(f"  generate({prompt!r}) -> {text!r}   (correct: {prompt}{want})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(prog="areal-lightning", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a tiny Llama on addition and export HF checkpoints")
+    demo.add_argument("--config", default=None, help="YAML config (default: built-in demo defaults)")
+    demo.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_epochs=1 saver.freq_steps=20")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``areal-lightning`` console script; returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"areal-lightning: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

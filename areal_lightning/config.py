@@ -1,0 +1,329 @@
+"""Typed configuration: dataclasses usable as omegaconf structured configs, with validation.
+
+Every config can be built from a YAML file, a ``dict``, a dataclass or a ``DictConfig``,
+plus dotlist overrides (``saver.freq_steps=10``)::
+
+    from areal_lightning import load_config
+    cfg = load_config("configs/demo.yaml", overrides=["recover.mode=on"])
+
+Validation raises :class:`ConfigError` naming the field (``saver.freq_steps``) and the
+allowed values. YAML 1.1 reads ``mode: on`` / ``mode: off`` as booleans; for ``mode``
+fields ``True`` means ``"on"`` and ``False`` means ``"off"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TypeVar
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+__all__ = [
+    "ConfigError",
+    "SaverConfig",
+    "RecoverConfig",
+    "ExperimentConfig",
+    "load_config",
+    "validate_name",
+]
+
+SAVER_MODES = ("auto", "sync", "async")
+RECOVER_MODES = ("on", "auto", "off", "disabled")
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def validate_name(value: Any, field_name: str) -> str:
+    """Return ``value`` if it is a usable single path component, else raise :class:`ConfigError`.
+
+    A name must be a non-empty string without ``/``, ``\\`` or ``..`` (it becomes a folder).
+    """
+    if not isinstance(value, str):
+        raise ConfigError(field_name, f"expected a non-empty string, got {type(value).__name__} {value!r}")
+    if not value.strip():
+        raise ConfigError(field_name, "must be a non-empty name")
+    if "/" in value or "\\" in value or ".." in value or value in (".",):
+        raise ConfigError(
+            field_name, f"{value!r} is not allowed: a name must not contain '/', '\\' or '..' (it becomes one folder)"
+        )
+    return value
+
+
+def _positive_int(value: Any, field_name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            field_name, f"expected a positive integer or null (disabled), got {type(value).__name__} {value!r}"
+        )
+    if value <= 0:
+        raise ConfigError(field_name, f"expected a positive integer or null (disabled), got {value}")
+    return value
+
+
+def _mode(value: Any, field_name: str, allowed: Sequence[str]) -> str:
+    # YAML 1.1 (PyYAML, omegaconf) reads `on`/`off`/`yes`/`no` as booleans.
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    if not isinstance(value, str) or value.lower() not in allowed:
+        raise ConfigError(field_name, f"unknown mode {value!r}; allowed: {', '.join(allowed)}")
+    return value.lower()
+
+
+@dataclass
+class SaverConfig:
+    """When and how :class:`~areal_lightning.HFSaverCallback` exports HuggingFace checkpoints.
+
+    A save happens when ANY enabled trigger holds; ``None`` disables a trigger.
+
+    Attributes:
+        mode: ``"auto"`` (async where supported, else sync), ``"sync"`` or ``"async"``.
+        freq_epochs: export at the end of every N-th epoch.
+        freq_steps: export after every N-th optimizer step (global step multiple of N).
+        freq_secs: export when N seconds (monotonic clock) have passed since the last export.
+        max_keep: keep only the newest N exports; ``None`` keeps all.
+    """
+
+    mode: str = "auto"
+    freq_epochs: int | None = None
+    freq_steps: int | None = None
+    freq_secs: int | None = None
+    max_keep: int | None = None
+
+    def validate(self, prefix: str = "saver") -> "SaverConfig":
+        """Check every field; normalise ``mode``. Returns ``self``."""
+        self.mode = _mode(self.mode, f"{prefix}.mode", SAVER_MODES)
+        for name in ("freq_epochs", "freq_steps", "freq_secs", "max_keep"):
+            _positive_int(getattr(self, name), f"{prefix}.{name}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """True when at least one trigger is set."""
+        return any(f is not None for f in (self.freq_epochs, self.freq_steps, self.freq_secs))
+
+
+@dataclass
+class RecoverConfig:
+    """When :class:`~areal_lightning.RecoverCallback` writes recover checkpoints.
+
+    Attributes:
+        mode: ``"on"``/``"auto"`` save and resume automatically; ``"off"``/``"disabled"`` do neither.
+        freq_epochs: checkpoint at the end of every N-th epoch.
+        freq_steps: checkpoint after every N-th optimizer step.
+        freq_secs: checkpoint when N seconds have passed since the last one.
+        retries: how many times ``areal-lightning run`` re-runs a failed command (>= 0).
+    """
+
+    mode: str = "disabled"
+    freq_epochs: int | None = None
+    freq_steps: int | None = None
+    freq_secs: int | None = None
+    retries: int = 3
+
+    def validate(self, prefix: str = "recover") -> "RecoverConfig":
+        """Check every field; normalise ``mode``. Returns ``self``."""
+        self.mode = _mode(self.mode, f"{prefix}.mode", RECOVER_MODES)
+        for name in ("freq_epochs", "freq_steps", "freq_secs"):
+            _positive_int(getattr(self, name), f"{prefix}.{name}")
+        r = self.retries
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"{prefix}.retries", f"expected an integer >= 0, got {r!r}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """True for modes ``on`` and ``auto``."""
+        return self.mode in ("on", "auto")
+
+
+@dataclass
+class ExperimentConfig:
+    """Where checkpoints go, plus the ``saver:`` and ``recover:`` sections.
+
+    Files land under ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/``.
+    ``user=None`` means the OS user (``getpass.getuser()``).
+    """
+
+    fileroot: str = "/tmp/areal_lightning"
+    experiment_name: str = "default"
+    trial_name: str = "trial0"
+    user: str | None = None
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+
+    def validate(self) -> "ExperimentConfig":
+        """Check every field, including the nested sections. Returns ``self``."""
+        if isinstance(self.fileroot, os.PathLike):
+            self.fileroot = os.fspath(self.fileroot)
+        if not isinstance(self.fileroot, str) or not self.fileroot.strip():
+            raise ConfigError("fileroot", f"expected a non-empty path string, got {self.fileroot!r}")
+        validate_name(self.experiment_name, "experiment_name")
+        validate_name(self.trial_name, "trial_name")
+        if self.user is not None:
+            validate_name(self.user, "user")
+        self.saver.validate("saver")
+        self.recover.validate("recover")
+        return self
+
+    @property
+    def resolved_user(self) -> str:
+        """``user``, or the OS user when ``user`` is ``None``."""
+        return self.user if self.user is not None else getpass.getuser()
+
+
+# ---------------------------------------------------------------------------------------
+# Loading: any source -> plain dict -> checked dataclass
+# ---------------------------------------------------------------------------------------
+
+
+def _to_container(source: Any) -> dict[str, Any]:
+    """YAML path / dict / dataclass / DictConfig -> a plain ``dict`` (no omegaconf objects)."""
+    if source is None:
+        return {}
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError("config", f"file not found: {str(path)!r}")
+        source = OmegaConf.load(path)
+    if dataclasses.is_dataclass(source) and not isinstance(source, type):
+        # Shallow on purpose: nested dataclasses are converted recursively below.
+        source = {f.name: getattr(source, f.name) for f in dataclasses.fields(source)}
+    if isinstance(source, (DictConfig, ListConfig)):
+        source = OmegaConf.to_container(source, resolve=True)
+    if not isinstance(source, Mapping):
+        raise ConfigError("config", f"expected a mapping (YAML file, dict, dataclass or DictConfig), got {type(source).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in source.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) or isinstance(value, (DictConfig, Mapping)):
+            value = _to_container(value)
+        out[key] = value
+    return out
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    if not overrides:
+        return data
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("overrides", f"expected key=value, got {item!r}")
+    parsed = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
+    return _deep_merge(data, parsed)
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _check_type(value: Any, tp: Any, field_name: str) -> Any:
+    """Coarse type check of a leaf against its annotation (the validators do the rest)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _check_type(value, non_none[0], field_name)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(field_name, f"expected an integer, got {type(value).__name__} {value!r}")
+    elif tp is str:
+        # `mode: on` arrives as a bool; the mode validator maps it.
+        if not isinstance(value, (str, bool)):
+            raise ConfigError(field_name, f"expected a string, got {type(value).__name__} {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(field_name, f"expected a number, got {type(value).__name__} {value!r}")
+        value = float(value)
+    elif tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(field_name, f"expected true or false, got {type(value).__name__} {value!r}")
+    return value
+
+
+def build_dataclass(cls: type[T], data: Mapping[str, Any], prefix: str = "", strict: bool = True) -> T:
+    """Build dataclass ``cls`` from a plain mapping, recursing into nested dataclass fields.
+
+    Unknown keys raise :class:`ConfigError` naming them and listing the allowed keys,
+    unless ``strict=False`` (then top-level unknown keys are ignored; nested sections stay strict).
+    """
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            if not strict:
+                continue
+            raise ConfigError(dotted, f"unknown key; allowed keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(names)}")
+        tp = hints[key]
+        if _is_dataclass_type(tp):
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                raise ConfigError(dotted, f"expected a section (mapping), got {type(value).__name__} {value!r}")
+            kwargs[key] = build_dataclass(tp, value, prefix=f"{dotted}.", strict=True)
+        else:
+            kwargs[key] = _check_type(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def load_config(
+    source: Any = None,
+    overrides: Sequence[str] = (),
+    schema: type[T] = ExperimentConfig,  # type: ignore[assignment]
+    strict: bool = True,
+) -> T:
+    """Load and validate a config.
+
+    Args:
+        source: a YAML path, a ``dict``, a dataclass instance, a ``DictConfig`` or ``None``
+            (schema defaults).
+        overrides: dotlist entries such as ``["saver.freq_steps=10", "recover.mode=on"]``.
+        schema: the dataclass to build (``ExperimentConfig`` or a subclass of it).
+        strict: reject unknown top-level keys (nested sections are always strict).
+
+    Raises:
+        ConfigError: naming the offending field and the allowed values.
+    """
+    data = _apply_overrides(_to_container(source), overrides)
+    cfg = build_dataclass(schema, data, strict=strict)
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        validate()
+    return cfg
+
+
+def structured(schema: type = ExperimentConfig) -> DictConfig:
+    """The omegaconf structured config for ``schema`` (for Hydra ``ConfigStore`` or merging)."""
+    return OmegaConf.structured(schema)
