@@ -33,13 +33,13 @@ class DemoTrainConfig:
     """Training settings of the demo (the ``train:`` section of ``configs/demo.yaml``)."""
 
     seed: int = 0
-    max_epochs: int = 4
+    max_epochs: int = 8
     max_steps: int = -1
     num_samples: int = 4096
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3
     max_operand: int = 50
-    hidden_size: int = 96
+    hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
     num_generations: int = 4
@@ -69,7 +69,7 @@ class DemoConfig(ExperimentConfig):
     """The demo's whole config: the experiment (paths, ``saver:``, ``recover:``) plus ``train:``."""
 
     experiment_name: str = "demo"
-    saver: SaverConfig = field(default_factory=lambda: SaverConfig(freq_epochs=1, freq_steps=40, max_keep=3))
+    saver: SaverConfig = field(default_factory=lambda: SaverConfig(freq_epochs=2, freq_steps=100, max_keep=3))
     train: DemoTrainConfig = field(default_factory=DemoTrainConfig)
 
     def validate(self) -> "DemoConfig":
