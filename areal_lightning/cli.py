@@ -1,4 +1,8 @@
-"""The ``areal-lightning`` command line: ``areal-lightning demo [--config FILE] [key=value ...]``."""
+"""The ``areal-lightning`` command line.
+
+- ``areal-lightning demo [--config FILE] [key=value ...]``: the demo training job.
+- ``areal-lightning run [--retries N] [--config FILE] -- <command ...>``: re-run a failing command.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,25 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from areal_lightning.config import load_config
+    from areal_lightning.supervisor import run_with_retries
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("areal-lightning run: no command given; usage: areal-lightning run [--retries N] -- <command ...>",
+              file=sys.stderr)
+        return 2
+    retries = args.retries
+    if retries is None:
+        retries = load_config(args.config, strict=False).recover.retries if args.config else 3
+    if retries < 0:
+        raise ConfigError("--retries", f"expected an integer >= 0, got {retries}")
+    return run_with_retries(command, retries)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="areal-lightning", description=__doc__)
@@ -35,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default=None, help="YAML config (default: built-in demo defaults)")
     demo.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_epochs=1 saver.freq_steps=20")
     demo.set_defaults(func=_demo)
+    run = sub.add_parser("run", help="run a training command, re-running it (resuming) when it fails")
+    run.add_argument("--retries", type=int, default=None,
+                     help="how many times to re-run a failed command (default: recover.retries of --config, else 3)")
+    run.add_argument("--config", default=None, help="experiment YAML whose recover.retries is the default")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+    run.set_defaults(func=_run)
     return parser
 
 
