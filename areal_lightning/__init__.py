@@ -1,29 +1,60 @@
 """areal-lightning: the checkpoint system of a distributed RL/LLM trainer, for PyTorch Lightning.
 
 - :class:`HFSaverCallback` exports HuggingFace checkpoints on epoch / step / seconds triggers.
+- :class:`DCPCheckpointIO` is a Lightning ``CheckpointIO`` writing sharded
+  ``torch.distributed.checkpoint`` directories, synchronously or asynchronously.
 - :class:`SaverConfig`, :class:`RecoverConfig`, :class:`ExperimentConfig` and
   :func:`load_config` read and validate Hydra-style YAML configs;
   :func:`callbacks_from_config` builds the enabled callbacks from one.
+
+Names are imported lazily, so ``areal-lightning run`` starts without importing Lightning.
 """
 
-from areal_lightning.callbacks import HFSaverCallback, callbacks_from_config
-from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, SaverConfig, load_config
-from areal_lightning.freq import FreqController
-from areal_lightning.layout import TrialLayout, export_name, parse_export_name
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "HFSaverCallback",
-    "callbacks_from_config",
-    "ConfigError",
-    "ExperimentConfig",
-    "RecoverConfig",
-    "SaverConfig",
-    "load_config",
-    "FreqController",
-    "TrialLayout",
-    "export_name",
-    "parse_export_name",
-    "__version__",
-]
+_EXPORTS = {
+    "HFSaverCallback": "areal_lightning.callbacks",
+    "callbacks_from_config": "areal_lightning.callbacks",
+    "DCPCheckpointIO": "areal_lightning.checkpoint_io",
+    "StagingWaitCallback": "areal_lightning.checkpoint_io",
+    "ConfigError": "areal_lightning.config",
+    "ExperimentConfig": "areal_lightning.config",
+    "RecoverConfig": "areal_lightning.config",
+    "SaverConfig": "areal_lightning.config",
+    "load_config": "areal_lightning.config",
+    "FreqController": "areal_lightning.freq",
+    "TrialLayout": "areal_lightning.layout",
+    "export_name": "areal_lightning.layout",
+    "parse_export_name": "areal_lightning.layout",
+    "CheckpointCorruptError": "areal_lightning.engine",
+    "CheckpointWriteError": "areal_lightning.engine",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:
+    from areal_lightning.callbacks import HFSaverCallback, callbacks_from_config
+    from areal_lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
+    from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, SaverConfig, load_config
+    from areal_lightning.engine import CheckpointCorruptError, CheckpointWriteError
+    from areal_lightning.freq import FreqController
+    from areal_lightning.layout import TrialLayout, export_name, parse_export_name

@@ -1,0 +1,195 @@
+"""Lightning ``CheckpointIO`` writing and reading DCP directories, sync or async.
+
+Public API::
+
+    DCPCheckpointIO(mode="auto", *, thread_count=2)   # Trainer(plugins=[...])
+        .save_checkpoint(checkpoint, path, storage_options=None)
+        .load_checkpoint(path, map_location=None, weights_only=None) -> dict
+        .remove_checkpoint(path)
+        .wait_for_staging()      # before the next optimizer step (see below)
+        .wait()                  # until the last save is durable; raises its failure
+        .teardown()              # wait + surface failures + free staging buffers
+        .mode / .resolved_mode / .engine
+    StagingWaitCallback(before_forward=False)         # Trainer(callbacks=[...])
+
+``trainer.save_checkpoint(path)`` writes ``path/`` as a DCP directory (``.metadata`` plus
+``__0_*.distcp``), ``trainer.fit(ckpt_path=path)`` resumes from it. The whole Lightning
+checkpoint dict round-trips -- including integer optimizer-state keys, empty containers
+and non-tensor leaves -- through :class:`areal_lightning.engine.DCPEngine`.
+
+Where the training loop waits for staging
+    An async save returns once the host copy has *started*; the live weights must not
+    change until it finishes. :class:`StagingWaitCallback` calls
+    :meth:`DCPCheckpointIO.wait_for_staging` in ``on_before_optimizer_step`` (Lightning calls
+    it for automatic and manual optimization), so the copy overlaps the next batch's
+    forward/backward. Forward passes that mutate module buffers (BatchNorm running
+    statistics in train mode) would race the copy: use ``StagingWaitCallback(
+    before_forward=True)`` for such models (waits in ``on_train_batch_start``). Without the
+    callback attached, ``save_checkpoint`` itself waits for staging before returning, so
+    a checkpoint is never torn -- it just blocks for the host copy.
+
+Distributed: Lightning's base ``Strategy`` calls ``save_checkpoint``/``remove_checkpoint``
+on global rank 0 only and ``load_checkpoint`` on every rank, so all engine calls are
+rank-local (``no_dist``). Writing one shard per rank under DDP/FSDP needs a strategy
+bridge (a separate piece); :class:`DCPEngine` supports that with ``collective=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.optim import Optimizer
+
+from areal_lightning.engine import DCPEngine
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "sync", "async")
+
+
+def _async_supported() -> tuple[bool, str]:
+    """Whether ``dcp.async_save`` can run here, and why not."""
+    if dist.is_available() and dist.is_initialized() and not dist.is_gloo_available():
+        return False, "a process group is initialized but this torch build has no gloo backend for background collectives"
+    return True, ""
+
+
+class DCPCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` storing checkpoints as DCP directories.
+
+    Args:
+        mode: ``"sync"`` (``dcp.save``; returns when durable), ``"async"``
+            (``dcp.async_save`` with one long-lived stager; one save in flight), or
+            ``"auto"`` (async where supported, else sync with one warning).
+        thread_count: writer threads; each writes its own ``__0_{i}.distcp`` file.
+    """
+
+    def __init__(self, mode: str = "auto", *, thread_count: int = 2) -> None:
+        if mode not in MODES:
+            raise ValueError(f"DCPCheckpointIO: mode={mode!r} is not allowed; choose one of {', '.join(MODES)}")
+        self._mode = mode
+        self._resolved: str | None = None
+        self._engine = DCPEngine(thread_count=thread_count)
+        self._staging_waiters = 0
+
+    @property
+    def mode(self) -> str:
+        """The configured mode (``auto``, ``sync`` or ``async``)."""
+        return self._mode
+
+    @property
+    def resolved_mode(self) -> str:
+        """``sync`` or ``async``: what saves actually do in this process."""
+        if self._resolved is None:
+            supported, reason = _async_supported()
+            if self._mode == "sync":
+                self._resolved = "sync"
+            elif supported:
+                self._resolved = "async"
+            elif self._mode == "async":
+                raise RuntimeError(f"DCPCheckpointIO(mode='async') is not possible: {reason}; use mode='sync' or 'auto'")
+            else:
+                rank_zero_warn(f"DCPCheckpointIO(mode='auto'): saving synchronously because {reason}")
+                self._resolved = "sync"
+        return self._resolved
+
+    @property
+    def engine(self) -> DCPEngine:
+        """The underlying :class:`DCPEngine`."""
+        return self._engine
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` to the DCP directory ``path`` (first surfacing a failure of
+        the previous async save). See the module doc for when an async save returns."""
+        if storage_options is not None:
+            raise TypeError(f"DCPCheckpointIO.save_checkpoint: storage_options is not supported (got {storage_options!r})")
+        asynchronous = self.resolved_mode == "async"
+        start = time.perf_counter()
+        self._engine.save(checkpoint, path, asynchronous=asynchronous)
+        if asynchronous and self._staging_waiters == 0:
+            self._engine.wait_for_staging()
+        log.debug("save_checkpoint(%s, %s) held the caller %.3f s", path, self.resolved_mode, time.perf_counter() - start)
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """Read the DCP directory ``path`` (waits for an in-flight save first).
+
+        ``map_location``: ``None`` (CPU), a device or a device string. ``weights_only``
+        restricts the non-tensor state as ``torch.load`` does (``None`` = torch's default)."""
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise TypeError(
+                f"DCPCheckpointIO.load_checkpoint: map_location must be None, a torch.device or a device "
+                f"string, got {type(map_location).__name__}"
+            )
+        checkpoint = self._engine.load(path, weights_only=weights_only)
+        if map_location is not None and torch.device(map_location).type != "cpu":
+            checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))
+        return checkpoint
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Delete the checkpoint at ``path``, waiting first if it is being written."""
+        self._engine.remove(path)
+
+    def wait_for_staging(self) -> None:
+        """Return once an async save no longer reads the live tensors."""
+        self._engine.wait_for_staging()
+
+    def wait(self) -> None:
+        """Return once the last save is durable; raise its failure if it failed."""
+        self._engine.wait()
+
+    def teardown(self) -> None:
+        """Wait for the save in flight, free staging buffers, raise a stored failure."""
+        self._engine.close()
+
+
+def _find_io(trainer: Trainer) -> DCPCheckpointIO | None:
+    io = trainer.strategy.checkpoint_io
+    while isinstance(io, _WrappingCheckpointIO):
+        io = io.checkpoint_io
+    return io if isinstance(io, DCPCheckpointIO) else None
+
+
+class StagingWaitCallback(Callback):
+    """Makes the training loop wait for async staging right before the next optimizer step
+    (or, with ``before_forward=True``, before the next batch), so that
+    :class:`DCPCheckpointIO` saves return without waiting for the host copy."""
+
+    def __init__(self, *, before_forward: bool = False) -> None:
+        self.before_forward = before_forward
+        self._io: DCPCheckpointIO | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Attach to the trainer's ``DCPCheckpointIO`` (warns if there is none)."""
+        self._io = _find_io(trainer)
+        if self._io is None:
+            rank_zero_warn("StagingWaitCallback: the trainer's checkpoint_io is not a DCPCheckpointIO; the callback does nothing")
+        else:
+            self._io._staging_waiters += 1
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Detach, so saves outside ``fit`` wait for their own staging again."""
+        if self._io is not None:
+            self._io._staging_waiters -= 1
+            self._io = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Wait for staging here when ``before_forward`` is set."""
+        if self.before_forward and self._io is not None:
+            self._io.wait_for_staging()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        """Wait for staging before the optimizer mutates the weights."""
+        if self._io is not None:
+            self._io.wait_for_staging()

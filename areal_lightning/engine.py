@@ -1,0 +1,638 @@
+"""DCP write/read engine: staging to host, sync/async saves, template loads.
+
+Plain Python over ``torch.distributed.checkpoint`` (DCP); it knows nothing of Lightning
+callbacks. Three public pieces:
+
+``DCPEngine(thread_count=2, collective=False)``
+    ``save(state, path, asynchronous=False)`` writes any nested checkpoint (dicts with any
+    key types, lists, tuples, tensors, other picklable leaves) as a DCP directory:
+    ``__{rank}_{i}.distcp`` data files plus ``.metadata``. Tensors are stored under their
+    dotted path (``state_dict.layer.weight``), as a plain ``dcp.save`` of the nested dict
+    would name them; every non-tensor part is stored once, as a "skeleton" object (the
+    structure with each tensor replaced by a slot naming it), which DCP pickles into one
+    byte item. This keeps integer keys (optimizer ``state`` keys), empty containers and
+    container types, which DCP's own flattening loses.
+    ``load(path, template=None, weights_only=None)`` rebuilds that structure exactly. Tensors
+    are read into a template: the caller's tensors where ``template`` has them (same dotted
+    paths, e.g. sharded tensors of a live model), else tensors allocated from the saved
+    metadata. DCP's empty-planner path, which stringifies keys, is never used. Files are
+    read in offset order and each tensor read for an engine-allocated slot is adopted
+    as is (DCP's stock reader copies it once more into the template).
+    ``wait_for_staging()`` returns once the async host copy is done (call it before the next
+    optimizer step mutates weights); ``wait()`` returns once the save is durable;
+    ``remove(path)`` deletes a checkpoint (waiting first if it is the one being written);
+    ``close()`` waits, re-raises a pending failure and frees the staging buffers.
+
+``BackgroundWorker(name)``
+    The single-in-flight background runner shared by DCP saves and HF export:
+    ``stage_to_host(state_dict) -> dict[str, Tensor]`` (first waits for the job in flight,
+    then copies into long-lived reused host buffers: pinned + shared memory on CUDA, plain
+    host memory on CPU-only builds; the copy is real, training steps do not mutate it, and
+    it stays valid until the next ``stage_to_host`` on the same worker),
+    ``submit(fn, label=...)`` (waits for the previous job, raising its failure, then runs
+    ``fn()`` in the worker's thread), ``wait()``, ``join()`` (wait, keep any failure),
+    ``raise_if_failed()`` and ``close()``.
+
+``HostStager``
+    The long-lived ``DefaultStager`` itself (``stage_to_host``, ``dcp_stager``, ``close``),
+    for callers that manage their own in-flight rule.
+
+Rules
+    At most one job in flight per worker/engine: a new save, a load, a remove of the
+    in-flight path and ``close`` first wait for it. A background failure (including DCP's
+    ``CheckpointException``, a ``BaseException``) is stored and raised once, as
+    :class:`CheckpointWriteError` naming the job's path, by the next ``save``/``submit``,
+    ``wait``, ``raise_if_failed`` or ``close`` -- never swallowed.
+
+Commit protocol
+    A directory is a complete checkpoint only when its ``.metadata`` file exists
+    (:data:`COMMIT_MARKER`). Before writing, an existing marker is removed (and the
+    directory fsynced), so overwriting in place never leaves an old marker over new
+    partial data. Data files are fsynced; DCP writes ``.metadata`` last via tmp file +
+    fsync + rename (``FileSystemWriter.finish`` in torch 2.13); the engine then fsyncs the
+    directory so the rename itself is durable. :meth:`DCPEngine.load` refuses a directory
+    without the marker with :class:`CheckpointCorruptError`.
+
+Distributed
+    With ``collective=False`` (the default; Lightning calls ``CheckpointIO`` on rank 0
+    only) DCP runs with ``no_dist=True``. With ``collective=True`` and an initialized process
+    group, every rank must call ``save``/``load`` together; background collectives then use
+    a dedicated gloo group, created once.
+
+Fault points (see :mod:`areal_lightning._fault`): ``engine.before_staging`` (caller thread,
+start of every save), ``engine.after_staging`` (writer thread, state on host, before the
+first byte is written), ``engine.before_commit`` (before ``.metadata``),
+``engine.after_commit`` (after ``.metadata`` and the directory fsync).
+
+Security: DCP's ``.metadata`` and the skeleton are pickles; load checkpoints only from
+trusted storage (``weights_only=True`` restricts the skeleton like ``torch.load`` does).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import io
+import logging
+import os
+import pickle
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.futures import Future as TorchFuture
+
+from areal_lightning._fault import fault_point
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+COMMIT_MARKER = ".metadata"
+"""File whose presence marks a DCP directory as complete (written last, atomically)."""
+
+_SKELETON_KEY = "__areal_lightning_skeleton__"
+
+# DCP warns on every rank-local save/load that it "assumes the intent" of a single process;
+# that is exactly our intent, so this one message is silenced (nothing else is).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint directory is incomplete, unreadable or not in this engine's format."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint save (or background job) failed; the message names its path."""
+
+
+# --------------------------------------------------------------------------------------
+# Staging
+
+
+def staging_options() -> StagingOptions:
+    """Staging options for this build: pinned + shared memory and non-blocking copies only
+    where an accelerator exists (``DefaultStager()`` with default options raises on
+    CPU-only builds). Staging always runs in the stager's background thread."""
+    accel = torch.accelerator.is_available()
+    return StagingOptions(
+        use_pinned_memory=accel,
+        use_shared_memory=accel,
+        use_async_staging=True,
+        use_non_blocking_copy=accel,
+    )
+
+
+class HostStager:
+    """One long-lived ``DefaultStager``; its host buffers are cached by source storage and
+    reused by every later staging of the same tensors (no growth across saves).
+
+    Not thread-safe: use it from one thread. A staged dict stays valid until the next
+    staging of the same tensors overwrites the buffers."""
+
+    def __init__(self) -> None:
+        self._stager: DefaultStager | None = None
+
+    @property
+    def dcp_stager(self) -> DefaultStager:
+        """The underlying ``DefaultStager`` (created on first use), for ``dcp.async_save``."""
+        if self._stager is None:
+            self._stager = DefaultStager(staging_options())
+        return self._stager
+
+    def stage_to_host(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``state_dict`` into the reused host buffers and return the copy (blocking)."""
+        staged = self.dcp_stager.stage(dict(state_dict))
+        return staged.result() if isinstance(staged, Future) else staged
+
+    def close(self) -> None:
+        """Free the host buffers; the next use builds a fresh stager."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+# --------------------------------------------------------------------------------------
+# Single-in-flight background jobs
+
+
+@dataclass
+class _Job:
+    label: str
+    done: Future
+    staged: Future | None
+
+
+class BackgroundWorker:
+    """At most one background job in flight; its failure is stored and raised once.
+
+    All methods are meant to be called from one (the training) thread."""
+
+    def __init__(self, name: str = "areal-ckpt") -> None:
+        self._name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._job: _Job | None = None
+        self._failure: CheckpointWriteError | None = None
+        self._stager = HostStager()
+
+    @property
+    def in_flight(self) -> str | None:
+        """Label (usually the path) of the unfinished job, else ``None``."""
+        if self._job is not None and not self._job.done.done():
+            return self._job.label
+        return None
+
+    def stage_to_host(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Wait for the job in flight (it may still read the buffers), raising its failure,
+        then copy ``state_dict`` into the reused host buffers and return the copy."""
+        self.wait()
+        return self._stager.stage_to_host(state_dict)
+
+    def submit(self, fn: Callable[[], object], *, label: str) -> None:
+        """Wait for the previous job (raising its failure), then run ``fn()`` in the
+        background. ``label`` (e.g. the output path) names the job in error messages."""
+        self.wait()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+        self._job = _Job(label, self._executor.submit(fn), None)
+
+    def wait_for_staging(self) -> None:
+        """Return once the job in flight no longer reads the live tensors (its host copy is
+        done, or it ended). Never raises: failures surface through :meth:`wait`."""
+        job = self._job
+        if job is not None and job.staged is not None:
+            concurrent.futures.wait([job.staged, job.done], return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def join(self) -> None:
+        """Wait for the job in flight; keep any failure for the next raising call."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        error = job.done.exception()  # blocks; a BaseException from the worker lands here too
+        if error is not None and self._failure is None:
+            self._failure = CheckpointWriteError(f"background checkpoint job for {job.label} failed: {error!r}")
+            self._failure.__cause__ = error
+            log.error("%s", self._failure)
+
+    def raise_if_failed(self) -> None:
+        """Raise (once) the stored failure of a finished job, without waiting."""
+        if self._job is not None and self._job.done.done():
+            self.join()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+    def wait(self) -> None:
+        """Wait for the job in flight; raise (once) its failure or an earlier stored one."""
+        self.join()
+        self.raise_if_failed()
+
+    def close(self) -> None:
+        """Wait, free the staging buffers and the thread, then raise any stored failure."""
+        try:
+            self.join()
+        finally:
+            self._stager.close()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+        self.raise_if_failed()
+
+    def _track(self, label: str, done: Future, staged: Future | None) -> None:
+        """Adopt a job started elsewhere (``dcp.async_save``); the caller waited before."""
+        self._job = _Job(label, done, staged)
+
+
+# --------------------------------------------------------------------------------------
+# Nested checkpoint <-> flat DCP state dict
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Placeholder for a tensor inside the skeleton (part of the on-disk format)."""
+
+    fqn: str
+
+
+_ATOMIC = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _split(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat DCP dict: ``{dotted path: tensor}`` plus the skeleton under ``_SKELETON_KEY``.
+
+    The skeleton is a point-in-time copy of every non-tensor value, taken now in the
+    caller's thread, so later mutation of Python state cannot leak into an async save."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            base = ".".join(path)
+            fqn, n = base, 1
+            while fqn in tensors or fqn == _SKELETON_KEY:
+                fqn, n = f"{base}#{n}", n + 1
+            tensors[fqn] = obj
+            return _TensorSlot(fqn)
+        if isinstance(obj, _ATOMIC):
+            return obj
+        if isinstance(obj, dict):
+            out = copy.copy(obj)
+            for key, value in obj.items():
+                out[key] = walk(value, (*path, str(key)))
+            return out
+        if isinstance(obj, list):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            items = [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        return copy.deepcopy(obj)
+
+    skeleton = walk(dict(state), ())
+    return {**tensors, _SKELETON_KEY: skeleton}
+
+
+def _fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Replace every slot in a freshly loaded skeleton by its tensor (in place where possible)."""
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.fqn]
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = _fill(value, tensors)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [_fill(v, tensors) for v in obj]
+        return obj
+    if isinstance(obj, tuple):
+        items = [_fill(v, tensors) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _flat_tensors(template: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors of a template under the dotted paths :func:`_split` would give them."""
+    flat = _split(template)
+    flat.pop(_SKELETON_KEY)
+    return flat
+
+
+# --------------------------------------------------------------------------------------
+# DCP storage with commit marker and fault points
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _CommitWriter(FileSystemWriter):
+    """``FileSystemWriter`` that fsyncs the directory after DCP's atomic ``.metadata``
+    rename and exposes the engine's fault points."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        fault_point("engine.after_staging")
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        fault_point("engine.before_commit")
+        super().finish(metadata, results)
+        _fsync_dir(Path(self.path))
+        fault_point("engine.after_commit")
+
+
+def _flat_save_planner() -> DefaultSavePlanner:
+    """Our dict is already flat; DCP must store the skeleton as ONE byte item, untouched
+    (its flattening passes rebuild nested dicts with string keys)."""
+    return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+class _TemplateLoadPlanner(DefaultLoadPlanner):
+    """Loads the flat dict in place; unpickles the skeleton with the caller's
+    ``weights_only`` (DCP's default planner always uses ``weights_only=False``).
+
+    Entries named in ``allocated`` are placeholders the engine made from the metadata:
+    a whole tensor read for one of them is adopted as is instead of copied into it."""
+
+    def __init__(self, weights_only: bool | None, allocated: set[str]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._weights_only = weights_only
+        self._allocated = allocated
+
+        self.refused: pickle.UnpicklingError | None = None
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            with torch.serialization.safe_globals([_TensorSlot]):
+                self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=self._weights_only)
+        except pickle.UnpicklingError as exc:
+            self.refused = exc
+            raise
+
+    def load_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """Store a tensor read from storage (already narrowed to ``read_item``)."""
+        fqn = read_item.dest_index.fqn
+        if fqn in self._allocated and tensor.shape == self.state_dict[fqn].shape:
+            self.state_dict[fqn] = tensor
+            return
+        target = self.resolve_tensor(read_item).detach()
+        target.copy_(tensor)
+        self.commit_tensor(read_item, target)
+
+
+class _Slice(io.RawIOBase):
+    """Read-only view of ``length`` bytes at ``offset`` of a binary file (for ``torch.load``)."""
+
+    def __init__(self, file: io.BufferedIOBase, offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._offset, self._length = file, offset, length
+        self._file.seek(offset)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._file.tell() - self._offset
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.tell(), os.SEEK_END: self._length}[whence]
+        self._file.seek(self._offset + base + pos)
+        return self.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self._length - self.tell())]
+        return self._file.readinto(view) if len(view) else 0
+
+
+class _AdoptingReader(FileSystemReader):
+    """``FileSystemReader`` that reads each file in offset order and hands every loaded
+    tensor to :meth:`_TemplateLoadPlanner.load_tensor`, so tensors the engine allocated
+    are not copied a second time (DCP's reader always copies into the template)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture:
+        infos = [self.storage_data[item.storage_index] for item in plan.items]
+        if not isinstance(planner, _TemplateLoadPlanner) or any(info.transform_descriptors for info in infos):
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[tuple[Any, ReadItem]]] = {}
+        for info, item in zip(infos, plan.items):
+            per_file.setdefault(info.relative_path, []).append((info, item))
+        for relative_path, entries in per_file.items():
+            entries.sort(key=lambda entry: entry[0].offset)
+            with open(Path(self.path) / relative_path, "rb") as file:
+                for info, item in entries:
+                    data = _Slice(file, info.offset, info.length)
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(data.read()))
+                        continue
+                    tensor = torch.load(data, map_location="cpu", weights_only=True)
+                    for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        if size < tensor.size(dim):
+                            tensor = tensor.narrow(dim, start, size)
+                    planner.load_tensor(item, tensor)
+        done: TorchFuture = TorchFuture()
+        done.set_result(None)
+        return done
+
+
+def check_complete(path: PathLike) -> Path:
+    """Return ``path`` as a ``Path`` if it is a committed DCP directory, else raise
+    ``FileNotFoundError`` (nothing there) or :class:`CheckpointCorruptError`."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not path.is_dir():
+        raise CheckpointCorruptError(
+            f"{path} is a file, not a DCP checkpoint directory (was it written by Lightning's "
+            "TorchCheckpointIO? load it without DCPCheckpointIO)"
+        )
+    if not (path / COMMIT_MARKER).is_file():
+        raise CheckpointCorruptError(
+            f"{path} has no {COMMIT_MARKER} commit marker: the save was interrupted or the "
+            "directory is not a DCP checkpoint; delete it or load another checkpoint"
+        )
+    return path
+
+
+def _invalidate(path: Path) -> None:
+    """Prepare ``path`` for a new save: create it, or withdraw its old commit marker."""
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"cannot write a DCP checkpoint to {path}: a file exists there; remove it or choose another path")
+    path.mkdir(parents=True, exist_ok=True)
+    withdrawn = False
+    for name in (COMMIT_MARKER, COMMIT_MARKER + ".tmp"):
+        marker = path / name
+        if marker.exists():
+            marker.unlink()
+            withdrawn = True
+    if withdrawn:
+        _fsync_dir(path)
+
+
+# --------------------------------------------------------------------------------------
+# Engine
+
+
+class DCPEngine:
+    """Sync/async DCP saves and template loads with one save in flight (see module doc).
+
+    Args:
+        thread_count: writer threads per rank (each writes its own ``__{rank}_{i}.distcp``).
+        collective: all ranks call ``save``/``load`` together (sharded checkpoints) when a
+            process group is initialized; ``False`` means rank-local calls (``no_dist``).
+    """
+
+    def __init__(self, *, thread_count: int = 2, collective: bool = False) -> None:
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be an integer >= 1, got {thread_count!r}")
+        self.thread_count = thread_count
+        self.collective = collective
+        self._worker = BackgroundWorker("areal-dcp")
+        self._gloo: dist.ProcessGroup | None = None
+
+    @property
+    def in_flight(self) -> str | None:
+        """Path of the async save still running, else ``None``."""
+        return self._worker.in_flight
+
+    def save(self, state: Mapping[str, Any], path: PathLike, *, asynchronous: bool = False) -> None:
+        """Write ``state`` to the DCP directory ``path``.
+
+        First waits for the previous async save and raises its failure. Sync: returns when
+        the checkpoint is durable and committed. Async: returns once the copy to host has
+        started; call :meth:`wait_for_staging` before mutating the tensors, :meth:`wait`
+        for durability. Raises :class:`CheckpointWriteError` naming ``path`` on failure."""
+        self._worker.wait()
+        path = Path(path)
+        fault_point("engine.before_staging")
+        flat = _split(state)
+        _invalidate(path)
+        writer = _CommitWriter(path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count)
+        if not asynchronous:
+            try:
+                dcp.save(flat, storage_writer=writer, planner=_flat_save_planner(), **self._dist_kwargs(background=False))
+            except (Exception, CheckpointException) as exc:
+                raise CheckpointWriteError(f"checkpoint save to {path} failed: {exc!r}") from exc
+            return
+        response = dcp.async_save(
+            flat,
+            storage_writer=writer,
+            planner=_flat_save_planner(),
+            async_stager=self._worker._stager.dcp_stager,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            **self._dist_kwargs(background=True),
+        )
+        if isinstance(response, AsyncSaveResponse):
+            self._worker._track(str(path), response.upload_completion, response.staging_completion)
+        else:  # the stager copied synchronously
+            self._worker._track(str(path), response, None)
+
+    def wait_for_staging(self) -> None:
+        """Return once the in-flight async save no longer reads the live tensors."""
+        self._worker.wait_for_staging()
+
+    def wait(self) -> None:
+        """Return once the in-flight save is durable; raise its (or a stored) failure."""
+        self._worker.wait()
+
+    def raise_if_failed(self) -> None:
+        """Raise a stored background failure without waiting."""
+        self._worker.raise_if_failed()
+
+    def load(
+        self,
+        path: PathLike,
+        *,
+        template: Mapping[str, Any] | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Read the checkpoint at ``path`` back into its saved structure.
+
+        Waits for an in-flight save first (its failure stays stored for the next save).
+        ``template``: optional nested dict whose tensors (by dotted path) are loaded in
+        place; all other tensors are allocated on CPU from the saved metadata.
+        ``weights_only`` is applied to the skeleton as ``torch.load`` would."""
+        self._worker.join()
+        path = check_complete(path)
+        try:
+            metadata = FileSystemReader(path).read_metadata()
+        except Exception as exc:
+            raise CheckpointCorruptError(f"{path / COMMIT_MARKER} is unreadable: {exc!r}") from exc
+        entries = metadata.state_dict_metadata
+        if not isinstance(entries.get(_SKELETON_KEY), BytesStorageMetadata):
+            raise CheckpointCorruptError(
+                f"{path} is a DCP checkpoint but was not written by areal_lightning (no "
+                f"{_SKELETON_KEY!r} entry); load it with torch.distributed.checkpoint directly"
+            )
+        given = _flat_tensors(template) if template is not None else {}
+        flat: dict[str, Any] = {_SKELETON_KEY: None}
+        allocated: set[str] = set()
+        for fqn, md in entries.items():
+            if isinstance(md, TensorStorageMetadata):
+                if fqn in given:
+                    flat[fqn] = given[fqn]
+                else:  # placeholder (not touched): the read tensor replaces it
+                    flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+                    allocated.add(fqn)
+        planner = _TemplateLoadPlanner(weights_only, allocated)
+        try:
+            dcp.load(flat, storage_reader=_AdoptingReader(path), planner=planner, **self._dist_kwargs(background=False))
+        except (Exception, CheckpointException) as exc:
+            if planner.refused is not None:
+                raise pickle.UnpicklingError(
+                    f"{path}: the checkpoint's non-tensor state is refused by weights_only={weights_only!r} "
+                    f"(torch.load's default is True); pass weights_only=False if the checkpoint comes from "
+                    f"trusted storage, or allowlist the type with torch.serialization.add_safe_globals. "
+                    f"{planner.refused}"
+                ) from planner.refused
+            raise CheckpointCorruptError(f"failed to read checkpoint {path}: {exc!r}") from exc
+        skeleton = flat.pop(_SKELETON_KEY)
+        return _fill(skeleton, flat)
+
+    def remove(self, path: PathLike) -> None:
+        """Delete the checkpoint at ``path``; waits first if it is the save in flight."""
+        path = Path(path)
+        if self._worker.in_flight == str(path):
+            self._worker.join()
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+    def close(self) -> None:
+        """Wait for the save in flight, free staging buffers, raise any stored failure."""
+        self._worker.close()
+
+    def _dist_kwargs(self, *, background: bool) -> dict[str, Any]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return {"no_dist": True}
+        if not self.collective:
+            # Rank-local call. dcp.async_save still checks that its group has a CPU backend.
+            return {"no_dist": True, "process_group": self._gloo_group(local=True) if background else None}
+        return {"process_group": self._gloo_group(local=False) if background else None}
+
+    def _gloo_group(self, *, local: bool) -> dist.ProcessGroup:
+        """The dedicated gloo group for background collectives, created once. For
+        rank-local calls it holds only this rank (created without involving the others)."""
+        if self._gloo is None:
+            if local:
+                self._gloo = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+            else:
+                self._gloo = dist.new_group(backend="gloo")
+        return self._gloo
