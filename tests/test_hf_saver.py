@@ -201,13 +201,6 @@ def test_trigger_state_resumes_through_a_lightning_checkpoint(tmp_path) -> None:
     ]
 
 
-def test_async_mode_warns_and_exports_synchronously(tmp_path) -> None:
-    cb = saver(tmp_path, freq_epochs=1, mode="async")
-    with pytest.warns(UserWarning, match="async"):
-        make_trainer([cb], max_epochs=1).fit(LMModule(tiny_llama()), token_loader(n_batches=2))
-    assert export_names(cb) == ["epoch0epochstep1globalstep1"]
-
-
 def test_seconds_trigger_in_a_real_run(tmp_path) -> None:
     cb = saver(tmp_path, freq_secs=1)
     clock = [0.0]

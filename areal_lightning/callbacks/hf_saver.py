@@ -5,19 +5,19 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from areal_lightning._fault import fault_point
 from areal_lightning.commit import clean_stale_tmp, remove_dir
 from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, load_config, validate_name
+from areal_lightning.engine import BackgroundWorker
 from areal_lightning.freq import FreqController
-from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf
+from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
 from areal_lightning.layout import TrialLayout
-from areal_lightning._fault import fault_point
 
 __all__ = ["HFSaverCallback"]
 
@@ -33,7 +33,13 @@ class HFSaverCallback(Callback):
     ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/{name}/epoch{E}epochstep{S}globalstep{G}/``
     (0-based indices) and load with ``AutoModelForCausalLM.from_pretrained`` /
     ``AutoTokenizer.from_pretrained``. A folder with that name is always complete: it is
-    written aside, fsynced and renamed into place. The same global step is never exported
+    written aside, fsynced and renamed into place.
+
+    Modes: ``sync`` writes in the training thread. ``async`` copies the weights to reused
+    host buffers (pinned on GPU) -- the only time the training loop is held -- and writes
+    safetensors, config and tokenizer in a background thread; one export in flight, the
+    next save waits for it, and a background failure is raised at the next save or at fit
+    end. ``auto`` is async when the run checkpoints through :class:`DCPCheckpointIO`, else sync. The same global step is never exported
     twice. The trigger progress is part of Lightning's callback state, so a resumed run
     neither double-saves nor skips a save.
 
@@ -93,7 +99,8 @@ class HFSaverCallback(Callback):
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self._epoch_start_step = 0
         self.last_export: Path | None = None
-        self._warned_async = False
+        self.resolved_mode: str | None = None
+        self._worker: BackgroundWorker | None = None
 
     # -- construction from config ---------------------------------------------------------
 
@@ -171,13 +178,40 @@ class HFSaverCallback(Callback):
         if stage != "fit":
             return
         self.resolve_model(pl_module)  # fail before training, not at the first save
-        if self.config.mode == "async" and not self._warned_async:
-            warnings.warn(
-                "HFSaverCallback(mode='async'): async export is not available yet; saving synchronously",
-                stacklevel=2,
-            )
-            self._warned_async = True
+        self.resolved_mode = self._resolve_mode(trainer)
+        if self.resolved_mode == "async" and trainer.is_global_zero and self._worker is None:
+            self._worker = BackgroundWorker(name=f"areal-hf-{self.name}")
         self.freq.start()
+
+    def _resolve_mode(self, trainer: "pl.Trainer") -> str:
+        mode = self.config.mode
+        if mode == "auto":
+            from areal_lightning.checkpoint_io import _find_io
+
+            return "async" if _find_io(trainer) is not None else "sync"
+        return mode
+
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Wait for the export in flight; raise its failure (never swallowed)."""
+        self._close_worker(raise_failure=True)
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        """Let the export in flight finish (or fail, logged) while the original error propagates."""
+        self._close_worker(raise_failure=False)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._close_worker(raise_failure=True)
+
+    def _close_worker(self, raise_failure: bool) -> None:
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        try:
+            worker.close()
+        except BaseException as err:
+            if raise_failure:
+                raise
+            log.error("HFSaverCallback(name=%r): the export in flight failed too: %s", self.name, err)
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._epoch_start_step = trainer.global_step
@@ -212,12 +246,27 @@ class HFSaverCallback(Callback):
         if not trainer.is_global_zero:
             return None
         start = time.perf_counter()
-        export_hf(self.resolve_model(pl_module), final, self.resolve_tokenizer(pl_module), max_shard_size=self.max_shard_size)
+        model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
+        if self._worker is None:
+            self._write(model, tokenizer, final, None, None, start)
+        else:
+            # Held only for the host copy; everything after it runs in the background.
+            staged = self._worker.stage_to_host(model.state_dict())
+            tmp = prepare_tmp(final)
+            blocked = time.perf_counter() - start
+            self._worker.submit(lambda: self._write(model, tokenizer, final, staged, tmp, start, blocked), label=str(final))
         self.last_export = final
+        return final
+
+    def _write(
+        self, model: Any, tokenizer: Any, final: Path, staged: dict | None, tmp: Path | None, start: float,
+        blocked: float | None = None,
+    ) -> None:
+        export_hf(model, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size, tmp_dir=tmp)
         self._prune()
         clean_stale_tmp(self.model_dir)
-        log.info("HF export %s written in %.2fs", final, time.perf_counter() - start)
-        return final
+        total = time.perf_counter() - start
+        log.info("HF export %s durable after %.2fs (training held %.3fs)", final, total, total if blocked is None else blocked)
 
     def _prune(self) -> None:
         if self.config.max_keep is None:
