@@ -1,6 +1,7 @@
 """areal-lightning: the checkpoint system of a distributed RL/LLM trainer, for PyTorch Lightning.
 
 - :class:`HFSaverCallback` exports HuggingFace checkpoints on epoch / step / seconds triggers.
+- :class:`RecoverCallback` saves the full training state and resumes a restarted run exactly.
 - :class:`DCPCheckpointIO` is a Lightning ``CheckpointIO`` writing sharded
   ``torch.distributed.checkpoint`` directories, synchronously or asynchronously.
 - :class:`SaverConfig`, :class:`RecoverConfig`, :class:`ExperimentConfig` and
@@ -19,6 +20,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "HFSaverCallback": "areal_lightning.callbacks",
+    "RecoverCallback": "areal_lightning.callbacks",
+    "StepInfo": "areal_lightning.callbacks.recover",
     "callbacks_from_config": "areal_lightning.callbacks",
     "DCPCheckpointIO": "areal_lightning.checkpoint_io",
     "StagingWaitCallback": "areal_lightning.checkpoint_io",
@@ -52,7 +55,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from areal_lightning.callbacks import HFSaverCallback, callbacks_from_config
+    from areal_lightning.callbacks import HFSaverCallback, RecoverCallback, callbacks_from_config
+    from areal_lightning.callbacks.recover import StepInfo
     from areal_lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
     from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, SaverConfig, load_config
     from areal_lightning.engine import CheckpointCorruptError, CheckpointWriteError

@@ -342,7 +342,12 @@ def _fsync_dir(path: Path) -> None:
 
 class _CommitWriter(FileSystemWriter):
     """``FileSystemWriter`` that fsyncs the directory after DCP's atomic ``.metadata``
-    rename and exposes the engine's fault points."""
+    rename, exposes the engine's fault points, and runs ``on_commit`` (if given) on the
+    coordinator once the checkpoint is committed."""
+
+    def __init__(self, *args: Any, on_commit: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_commit = on_commit
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -353,6 +358,8 @@ class _CommitWriter(FileSystemWriter):
         super().finish(metadata, results)
         _fsync_dir(Path(self.path))
         fault_point("engine.after_commit")
+        if self._on_commit is not None:
+            self._on_commit()
 
 
 def _flat_save_planner() -> DefaultSavePlanner:
@@ -511,19 +518,30 @@ class DCPEngine:
         """Path of the async save still running, else ``None``."""
         return self._worker.in_flight
 
-    def save(self, state: Mapping[str, Any], path: PathLike, *, asynchronous: bool = False) -> None:
+    def save(
+        self,
+        state: Mapping[str, Any],
+        path: PathLike,
+        *,
+        asynchronous: bool = False,
+        on_commit: Callable[[], None] | None = None,
+    ) -> None:
         """Write ``state`` to the DCP directory ``path``.
 
         First waits for the previous async save and raises its failure. Sync: returns when
         the checkpoint is durable and committed. Async: returns once the copy to host has
         started; call :meth:`wait_for_staging` before mutating the tensors, :meth:`wait`
-        for durability. Raises :class:`CheckpointWriteError` naming ``path`` on failure."""
+        for durability. Raises :class:`CheckpointWriteError` naming ``path`` on failure.
+        ``on_commit`` runs on the coordinator right after the commit marker is durable (in
+        the background for async saves); its failure is the save's failure."""
         self._worker.wait()
         path = Path(path)
         fault_point("engine.before_staging")
         flat = _split(state)
         _invalidate(path)
-        writer = _CommitWriter(path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count)
+        writer = _CommitWriter(
+            path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, on_commit=on_commit
+        )
         if not asynchronous:
             try:
                 dcp.save(flat, storage_writer=writer, planner=_flat_save_planner(), **self._dist_kwargs(background=False))

@@ -7,16 +7,18 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from areal_lightning.callbacks.hf_saver import HFSaverCallback
+from areal_lightning.callbacks.recover import RecoverCallback
 from areal_lightning.config import ExperimentConfig, load_config
 
-__all__ = ["HFSaverCallback", "callbacks_from_config"]
+__all__ = ["HFSaverCallback", "RecoverCallback", "callbacks_from_config"]
 
 
 def callbacks_from_config(cfg: Any, strict: bool = True, **saver_kwargs: Any) -> list[Callback]:
     """The enabled callbacks of an experiment config (YAML path, dict, dataclass or ``DictConfig``).
 
-    ``HFSaverCallback`` is included when the ``saver:`` section sets a trigger;
-    ``saver_kwargs`` (``model_attr``, ``tokenizer``, ``name``, ...) go to it.
+    ``HFSaverCallback`` is included when the ``saver:`` section sets a trigger
+    (``saver_kwargs`` such as ``model_attr``, ``tokenizer``, ``name`` go to it);
+    ``RecoverCallback`` when ``recover.mode`` is ``on``/``auto`` (it is put last).
 
     Example:
         >>> cbs = callbacks_from_config({"fileroot": "/tmp/x", "experiment_name": "e",
@@ -30,8 +32,5 @@ def callbacks_from_config(cfg: Any, strict: bool = True, **saver_kwargs: Any) ->
     if exp.saver.enabled:
         callbacks.append(HFSaverCallback.from_config(exp, **saver_kwargs))
     if exp.recover.enabled:
-        raise NotImplementedError(
-            f"recover.mode={exp.recover.mode!r}: RecoverCallback is not part of this version yet; "
-            "set recover.mode=disabled"
-        )
+        callbacks.append(RecoverCallback.from_config(exp))
     return callbacks

@@ -1,0 +1,497 @@
+"""``RecoverCallback``: crash-safe recover checkpoints and exact automatic resume."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+
+from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
+from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, load_config, validate_name
+from areal_lightning.engine import CheckpointCorruptError
+from areal_lightning.freq import FreqController
+from areal_lightning.layout import TrialLayout
+from areal_lightning.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore
+from areal_lightning.state.data import LoaderTracker, is_stateful_loader
+from areal_lightning.state.rng import capture_rng, restore_rng
+
+__all__ = ["RecoverCallback", "StepInfo"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where a checkpoint was taken: 0-based indices of the last completed optimizer step."""
+
+    epoch: int
+    epoch_step: int
+    global_step: int
+    steps_per_epoch: int | None
+
+    def next(self) -> "StepInfo":
+        """The step that training continues with."""
+        end_of_epoch = self.steps_per_epoch is not None and self.epoch_step + 1 >= self.steps_per_epoch
+        return StepInfo(
+            epoch=self.epoch + 1 if end_of_epoch else self.epoch,
+            epoch_step=0 if end_of_epoch else self.epoch_step + 1,
+            global_step=self.global_step + 1,
+            steps_per_epoch=self.steps_per_epoch,
+        )
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the restored weights for an inference engine (``global_step + 1``)."""
+        return self.global_step + 1
+
+
+@dataclass
+class _ResumePlan:
+    path: Path
+    info: dict[str, dict[str, Any]]
+    verified_bytes: int
+    verify_s: float
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+    import transformers
+
+    from areal_lightning import __version__
+
+    return {"torch": torch.__version__, "lightning": lightning.__version__,
+            "transformers": transformers.__version__, "areal_lightning": __version__}
+
+
+class RecoverCallback(Callback):
+    """Save the full training state on triggers; resume from it automatically.
+
+    With ``mode="on"``/``"auto"``, ``trainer.fit(model)`` without ``ckpt_path`` resumes
+    from the last committed recover checkpoint of the trial (an explicit ``ckpt_path``
+    wins), restoring model, optimizers, LR schedulers, loop progress, RNG states,
+    the train dataloader's position (plain ``DataLoader`` too) and the other callbacks'
+    and the logger's state, so the resumed run's losses equal an uninterrupted run's.
+    ``"off"``/``"disabled"`` neither save nor resume.
+
+    Checkpoints are DCP directories written through :class:`DCPCheckpointIO` (installed
+    when the Trainer has no CheckpointIO plugin). One is kept; the next is written beside
+    it and swapped in atomically together with ``recover_info/``.
+
+    Args:
+        fileroot, experiment_name, trial_name, user: where the trial lives.
+        mode: ``on``, ``auto``, ``off`` or ``disabled``.
+        freq_epochs, freq_steps, freq_secs: triggers (any fires).
+        retries: used by ``areal-lightning run`` (re-runs of a failed command).
+        on_resume: ``fn(trainer, module, step_info)`` called once after a resume
+            (also the LightningModule's ``on_resume(trainer, step_info)`` if defined).
+        io_mode: mode of the installed ``DCPCheckpointIO`` (``auto``, ``sync``, ``async``).
+        name: the model folder holding ``recover_checkpoint/``.
+
+    Example:
+        >>> recover = RecoverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
+        ...                           freq_steps=100)
+        >>> trainer = pl.Trainer(callbacks=[recover])  # doctest: +SKIP
+        >>> trainer.fit(model, loader)  # resumes automatically when run again  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        fileroot: str | Path,
+        experiment_name: str,
+        trial_name: str,
+        user: str | None = None,
+        mode: str = "on",
+        freq_epochs: int | None = None,
+        freq_steps: int | None = None,
+        freq_secs: int | None = None,
+        retries: int = 3,
+        on_resume: Callable[["pl.Trainer", "pl.LightningModule", StepInfo], None] | None = None,
+        io_mode: str = "auto",
+        name: str = "default",
+    ) -> None:
+        exp = ExperimentConfig(
+            fileroot=fileroot,  # type: ignore[arg-type]
+            experiment_name=experiment_name,
+            trial_name=trial_name,
+            user=user,
+            recover=RecoverConfig(mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps,
+                                  freq_secs=freq_secs, retries=retries),
+        ).validate()
+        if io_mode not in ("auto", "sync", "async"):
+            raise ConfigError("io_mode", f"unknown mode {io_mode!r}; allowed: auto, sync, async")
+        if on_resume is not None and not callable(on_resume):
+            raise ConfigError("on_resume", f"expected a callable fn(trainer, module, step_info), got {on_resume!r}")
+        self.config = exp.recover
+        self.experiment = exp
+        self.name = validate_name(name, "name")
+        self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
+        self.store = RecoverStore(self.layout, self.name)
+        self.io_mode = io_mode
+        self.on_resume = on_resume
+        self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
+        self.tracker = LoaderTracker()
+        self.resumed_from: StepInfo | None = None
+        self._plan: _ResumePlan | None = None
+        self._resuming = False
+        self._pending_rng: dict[str, Any] | None = None
+        self._boundary_rng_applied = False
+        self._epoch_start_step = 0
+        self._saving_at_boundary: bool | None = None
+        self._io: DCPCheckpointIO | None = None
+        self._trainer_ref: "pl.Trainer | None" = None
+        self._patched: list[tuple[Any, str]] = []
+
+    @classmethod
+    def from_config(cls, cfg: Any, strict: bool = True, **kwargs: Any) -> "RecoverCallback":
+        """Build from a whole experiment config (YAML path, dict, dataclass or ``DictConfig``),
+        using the top-level paths and the ``recover:`` section."""
+        exp = cfg if isinstance(cfg, ExperimentConfig) else load_config(cfg, strict=strict)
+        exp.validate()
+        r = exp.recover
+        return cls(fileroot=exp.fileroot, experiment_name=exp.experiment_name, trial_name=exp.trial_name,
+                   user=exp.user, mode=r.mode, freq_epochs=r.freq_epochs, freq_steps=r.freq_steps,
+                   freq_secs=r.freq_secs, retries=r.retries, **kwargs)
+
+    @property
+    def enabled(self) -> bool:
+        """True for modes ``on`` and ``auto``."""
+        return self.config.enabled
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.name)
+
+    # -- setup: install the IO, plan the resume, wire the hooks ------------------------------
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit" or not self.enabled:
+            return
+        self._io = self._install_io(trainer)
+        self._trainer_ref = trainer
+        # Run after the other callbacks at each hook, so their state at this step is saved.
+        # (A new list: Lightning is iterating over the current one.)
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        self._plan = self._plan_resume(trainer)
+        if self._plan is not None:
+            self._continue_logger_versions(trainer, self._plan.info["stats_logger_info.json"])
+        self._wire(trainer)
+        self.freq.start()
+
+    def _install_io(self, trainer: "pl.Trainer") -> DCPCheckpointIO:
+        io = _find_io(trainer)
+        if io is not None:
+            return io
+        current = trainer.strategy._checkpoint_io
+        if current is not None and type(current) is not TorchCheckpointIO:
+            raise TypeError(
+                f"RecoverCallback saves through DCPCheckpointIO, but the Trainer uses {type(current).__name__}; "
+                "pass plugins=[DCPCheckpointIO()] instead (or no CheckpointIO plugin and it is installed for you)"
+            )
+        io = DCPCheckpointIO(self.io_mode)
+        trainer.strategy.checkpoint_io = io
+        log.info("RecoverCallback: installed DCPCheckpointIO(mode=%r) as the Trainer's checkpoint_io", self.io_mode)
+        return io
+
+    def _wire(self, trainer: "pl.Trainer") -> None:
+        """Hook Lightning where it resolves the checkpoint and builds the train dataloader.
+
+        Lightning resolves ``ckpt_path`` before any callback hook runs, so auto-resume wraps
+        the checkpoint connector's ``resume_start`` (called with the resolved path right
+        after ``setup``); the train loaders are made resumable where Lightning requests them
+        (``fit_loop._data_source.dataloader``). Both are Lightning internals, pinned by tests.
+        """
+        connector = trainer._checkpoint_connector
+        source = trainer.fit_loop._data_source
+        if not callable(getattr(connector, "resume_start", None)) or not callable(getattr(source, "dataloader", None)):
+            raise RuntimeError(
+                "RecoverCallback: this Lightning version does not have the internals auto-resume relies on "
+                "(_checkpoint_connector.resume_start, fit_loop._data_source.dataloader); pass "
+                "ckpt_path=RecoverCallback.last_checkpoint(...) to trainer.fit instead"
+            )
+        original_resume, original_loader = connector.resume_start, source.dataloader
+
+        def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+            if checkpoint_path is None and self._plan is not None:
+                checkpoint_path = str(self._plan.path)
+                self._resuming = True
+            elif checkpoint_path is not None and self._plan is not None:
+                log.info("RecoverCallback: an explicit ckpt_path=%s was given; it wins over %s",
+                         checkpoint_path, self._plan.path)
+            original_resume(checkpoint_path, weights_only)
+            if self._resuming:
+                loaded = connector._loaded_checkpoint.get("global_step")
+                want = self._plan.info["checkpoint_info.json"]["global_step"]
+                if loaded != want:
+                    raise CheckpointCorruptError(
+                        f"{self._plan.path} holds global step {loaded}, but {self.store.info_dir} describes "
+                        f"global step {want}; delete {self.store.info_dir} to start fresh")
+
+        def dataloader() -> Any:
+            loaders = original_loader()
+            counter = iter(range(1 << 30))
+            return apply_to_collection(loaders, DataLoader, lambda dl: self.tracker.track(dl, next(counter)))
+
+        connector.resume_start = resume_start
+        source.dataloader = dataloader
+        self._patched = [(connector, "resume_start"), (source, "dataloader")]
+
+    def _unwire(self) -> None:
+        for obj, attr in self._patched:
+            obj.__dict__.pop(attr, None)
+        self._patched = []
+
+    def _plan_resume(self, trainer: "pl.Trainer") -> _ResumePlan | None:
+        self.store.repair()
+        if not self.store.exists():
+            log.info("RecoverCallback: no %s; starting fresh", self.store.info_dir)
+            return None
+        info = self.store.read_info()
+        ckpt = info["checkpoint_info.json"]
+        path = self.store.info_dir / "checkpoint_info.json"
+        expected = {"experiment_name": self.experiment.experiment_name, "trial_name": self.experiment.trial_name}
+        for key, value in expected.items():
+            if ckpt[key] != value:
+                raise RecoverMismatchError(
+                    f"{path} was written by {key}={ckpt[key]!r}, this run is {key}={value!r}: the trial folder "
+                    "was copied or renamed. Use the original names, or delete recover_info/ to start fresh.")
+        here = {"world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}
+        for key, value in here.items():
+            if ckpt[key] != value:
+                raise RecoverMismatchError(
+                    f"{path}: the recover checkpoint was written with {key}={ckpt[key]!r} but this run has "
+                    f"{key}={value!r}. Resume with the same parallel configuration (devices, num_nodes, strategy), "
+                    "or delete recover_info/ to start fresh.")
+        start = time.perf_counter()
+        nbytes = self.store.verify(ckpt)
+        return _ResumePlan(self.store.ckpt_dir, info, nbytes, time.perf_counter() - start)
+
+    @staticmethod
+    def _continue_logger_versions(trainer: "pl.Trainer", saved: dict[str, Any]) -> None:
+        """Point each logger back at the version the checkpointed run logged into.
+
+        Lightning creates the loggers' experiments (and a new ``version_N`` folder) before
+        any callback's ``setup``; when that new folder holds nothing yet, the logger is
+        redirected to the saved version and the empty folder removed. A version that
+        already holds data (e.g. one the user fixed) is left alone.
+        """
+        for logger, entry in zip(trainer.loggers, saved.get("loggers", [])):
+            if type(logger).__name__ != entry.get("class") or logger.name != entry.get("name"):
+                continue
+            if not hasattr(logger, "_version") or not hasattr(logger, "_experiment") or logger.version == entry["version"]:
+                continue
+            new_dir = Path(logger.log_dir)
+            leftovers = [p for p in new_dir.rglob("*") if p.is_file()] if new_dir.is_dir() else []
+            if any(not p.name.startswith("events.out.tfevents") or p.stat().st_size > 1024 for p in leftovers):
+                continue
+            close = getattr(logger._experiment, "close", None)
+            if callable(close):
+                close()
+            logger._experiment = None
+            logger._version = entry["version"]
+            if new_dir.is_dir():
+                shutil.rmtree(new_dir, ignore_errors=True)
+            log.info("RecoverCallback: %s continues logging into version %s", type(logger).__name__, entry["version"])
+
+    # -- triggers ----------------------------------------------------------------------------
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._epoch_start_step = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        """An async save may still copy the weights: wait before the optimizer changes them."""
+        if self._io is not None:
+            self._io.engine.wait_for_staging()
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.enabled:
+            return
+        decision = self.freq.check_step(trainer.global_step)
+        if self.freq.uses_clock and trainer.world_size > 1:
+            decision = bool(trainer.strategy.broadcast(decision, src=0))
+        if decision:
+            self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.enabled and self.freq.check_epoch(trainer.current_epoch + 1, trainer.global_step):
+            self.save(trainer)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A run that finished keeps a checkpoint of its end, so re-running it does nothing."""
+        if self.enabled and trainer.global_step > 0 and self.freq.last_fired_step != trainer.global_step:
+            self.save(trainer)
+        if self._io is not None:
+            self._io.engine.wait()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._unwire()
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._unwire()
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def _batches_done(self, trainer: "pl.Trainer") -> int:
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def _at_boundary(self, trainer: "pl.Trainer") -> bool:
+        return self._batches_done(trainer) >= trainer.num_training_batches
+
+    def _step_info(self, trainer: "pl.Trainer") -> StepInfo:
+        steps = trainer.global_step
+        n = trainer.num_training_batches
+        per_epoch = math.ceil(n / trainer.accumulate_grad_batches) if n != float("inf") else None
+        epoch = trainer.current_epoch
+        if trainer.fit_loop.epoch_progress.current.processed == epoch and epoch > 0 and self._at_boundary(trainer):
+            epoch -= 1  # after the last epoch (on_train_end): the counter already moved on
+        return StepInfo(epoch=epoch, epoch_step=max(steps - self._epoch_start_step - 1, 0),
+                        global_step=steps - 1, steps_per_epoch=per_epoch)
+
+    def save(self, trainer: "pl.Trainer") -> None:
+        """Write a recover checkpoint of the current state now (also used by the triggers)."""
+        if self._io is None:
+            raise RuntimeError("RecoverCallback.save called outside trainer.fit")
+        steps = trainer.global_step
+        self.freq.mark_fired(steps)
+        start = time.perf_counter()
+        self._saving_at_boundary = self._at_boundary(trainer)
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            boundary, self._saving_at_boundary = self._saving_at_boundary, None
+        info = self._build_info(trainer, checkpoint, boundary)
+        if trainer.is_global_zero:
+            engine = self._io.engine
+            engine.wait()  # the previous save is durable and swapped in (or its failure raised here)
+            self.store.clean_stale()
+            gen = self.store.new_generation(steps)
+            asynchronous = self._io.resolved_mode == "async"
+            engine.save(checkpoint, self.store.tmp_ckpt_dir(gen), asynchronous=asynchronous,
+                        on_commit=lambda: self.store.commit(gen, info))
+            log.info("RecoverCallback: %s recover checkpoint after step %d (%s, training held %.3fs)",
+                     "writing" if asynchronous else "wrote", steps, "async" if asynchronous else "sync",
+                     time.perf_counter() - start)
+
+    def _build_info(self, trainer: "pl.Trainer", checkpoint: dict[str, Any], boundary: bool) -> dict[str, dict]:
+        from areal_lightning.callbacks.hf_saver import HFSaverCallback
+
+        loop = trainer.fit_loop.epoch_loop
+        loaders = []
+        combined = trainer.fit_loop._combined_loader
+        for i, dl in enumerate(combined.flattened if combined is not None else []):
+            cls = type(dl).__mro__[1] if type(dl).__dict__.get("_areal_resumable") else type(dl)
+            loaders.append({"index": i, "class": cls.__name__, "stateful": is_stateful_loader(dl),
+                            "num_workers": getattr(dl, "num_workers", None),
+                            "batch_size": getattr(dl, "batch_size", None),
+                            "sampler": type(getattr(dl, "sampler", None)).__name__})
+        return {
+            "step_info.json": {**asdict(self._step_info(trainer)),
+                               "next": asdict(self._step_info(trainer).next())},
+            "saver_info.json": {cb.state_key: cb.state_dict() for cb in trainer.callbacks
+                                if isinstance(cb, HFSaverCallback)},
+            "evaluator_info.json": {
+                "val_check_interval": trainer.val_check_interval,
+                "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
+                "val_batches_completed_total": loop.val_loop.batch_progress.total.completed,
+            },
+            "stats_logger_info.json": {"loggers": [
+                {"class": type(lg).__name__, "name": lg.name, "version": lg.version,
+                 "save_dir": str(lg.save_dir) if lg.save_dir else None} for lg in trainer.loggers]},
+            "dataloader_info.json": {"epoch": trainer.current_epoch, "batches_done": self._batches_done(trainer),
+                                     "at_epoch_boundary": boundary, "loaders": loaders},
+            "checkpoint_info.json": {
+                "format_version": FORMAT_VERSION,
+                "global_step": checkpoint["global_step"],
+                "epoch": checkpoint["epoch"],
+                "world_size": trainer.world_size,
+                "strategy": type(trainer.strategy).__name__,
+                "num_devices": trainer.num_devices,
+                "num_nodes": trainer.num_nodes,
+                "accelerator": type(trainer.accelerator).__name__,
+                "io_mode": self._io.resolved_mode if self._io else None,
+                "experiment_name": self.experiment.experiment_name,
+                "trial_name": self.experiment.trial_name,
+                "user": self.layout.user,
+                "versions": _versions(),
+            },
+        }
+
+    # -- Lightning state ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trigger progress, RNG states and the train loaders' position (no pickled objects)."""
+        state: dict[str, Any] = {"freq": self.freq.state_dict(), "epoch_start_step": self._epoch_start_step}
+        boundary = self._saving_at_boundary
+        if boundary is not None:  # only our own saves carry RNG and data position
+            trainer = self._trainer_ref
+            state["rng"] = capture_rng()
+            state["data"] = self.tracker.state_dict(self._batches_done(trainer), boundary)
+        return state
+
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
+        if self._saving_at_boundary:
+            # A stateful loader saved after its last batch would skip the next epoch on resume
+            # (Lightning restores it as "exhausted"); the tracker restores its sampler instead.
+            fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+            if "combined_loader" in fit_state:
+                fit_state["combined_loader"] = []
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.freq.load_state_dict(state_dict.get("freq", {}))
+        self._epoch_start_step = int(state_dict.get("epoch_start_step", 0))
+        if "rng" in state_dict:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
+            self._pending_rng = state_dict["rng"]
+            self._boundary_rng_applied = bool(state_dict["data"]["at_boundary"])
+            self.tracker.load_state_dict(state_dict["data"], checkpoint_rng=state_dict["rng"]["torch"])
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rng, self._pending_rng = self._pending_rng, None
+        if rng is None:
+            return
+        if self._boundary_rng_applied and self.tracker.replayed:
+            # The next epoch's iterator was created from the saved torch RNG state already.
+            rng = {**rng, "torch": torch.get_rng_state()}
+        restore_rng(rng)
+        step = self._step_info(trainer)
+        step = StepInfo(step.epoch, step.epoch_step, trainer.global_step - 1, step.steps_per_epoch)
+        if self._plan is not None and self._resuming:
+            step = StepInfo(**{k: v for k, v in self._plan.info["step_info.json"].items() if k != "next"})
+            where = (f"{self._plan.path} (checksums of {self._plan.verified_bytes / 1e6:.1f} MB verified in "
+                     f"{self._plan.verify_s:.2f}s)")
+        else:
+            where = str(trainer.ckpt_path)
+        self._resuming = False
+        self.resumed_from = step
+        log.info(
+            "RecoverCallback: resumed from %s after global step %d (epoch %d, step %d in epoch); restored model, "
+            "%d optimizer(s), %d LR scheduler(s), loop progress, RNG, dataloader position (%s), callback states",
+            where, step.global_step, step.epoch, step.epoch_step, len(trainer.optimizers),
+            len(trainer.lr_scheduler_configs), "; ".join(self.tracker.replayed) or "restored by the loader itself")
+        if self.on_resume is not None:
+            self.on_resume(trainer, pl_module, step)
+        module_hook = getattr(pl_module, "on_resume", None)
+        if callable(module_hook):
+            module_hook(trainer, step)
+
+    # -- helpers for users -----------------------------------------------------------------
+
+    def last_checkpoint(self) -> Path | None:
+        """The committed recover checkpoint of this trial (validated), or ``None``."""
+        self.store.repair()
+        if not self.store.exists():
+            return None
+        info = self.store.read_info()
+        self.store.verify(info["checkpoint_info.json"])
+        return self.store.ckpt_dir

@@ -1,0 +1,239 @@
+"""The single, crash-safe recover checkpoint of a trial and its ``recover_info/`` metadata.
+
+On disk (SPEC §4)::
+
+    {trial}/{name}/recover_checkpoint/   # DCP directory of the last committed checkpoint
+    {trial}/recover_info/*.json          # describes exactly that checkpoint
+
+A save writes the new DCP directory and the new ``recover_info`` beside the current ones
+(``.tmp-recover_checkpoint-{gen}``, ``.tmp-recover_info-{gen}``; ``checkpoint_info.json``,
+holding size and CRC32 of every file, is written last and fsynced), then swaps them in by
+four renames. A crash at any instant leaves either the old pair, or a complete new pair
+that :meth:`RecoverStore.repair` rolls forward on the next start. The folder names
+carry the generation, so the swap is never confused with another save. Disk use is one
+checkpoint plus, while a save is being written, the new one.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+from areal_lightning._fault import fault_point
+from areal_lightning.commit import atomic_write_json, fsync_dir
+from areal_lightning.engine import COMMIT_MARKER, CheckpointCorruptError
+from areal_lightning.layout import TrialLayout
+
+__all__ = ["RecoverStore", "RecoverMismatchError", "INFO_FILES", "FORMAT_VERSION", "file_checksums"]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+INFO_FILES = (
+    "step_info.json", "saver_info.json", "evaluator_info.json", "stats_logger_info.json", "dataloader_info.json",
+    "checkpoint_info.json",  # last: its presence marks a complete recover_info
+)
+_TMP_CKPT = ".tmp-recover_checkpoint-"
+_OLD_CKPT = ".old-recover_checkpoint-"
+_TMP_INFO = ".tmp-recover_info-"
+_OLD_INFO = ".old-recover_info-"
+_CHUNK = 8 << 20
+
+
+class RecoverMismatchError(RuntimeError):
+    """The recover checkpoint was written by a run that differs from this one (world size,
+    strategy, experiment, trial); the message explains what differs and what to do."""
+
+
+def file_checksums(root: Path) -> dict[str, dict[str, int]]:
+    """``{relative path: {"size", "crc32"}}`` of every file below ``root``."""
+    out: dict[str, dict[str, int]] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        crc = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+        out[str(path.relative_to(root))] = {"size": path.stat().st_size, "crc32": crc}
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            f"{path} is missing; recover_info/ is incomplete. Delete {path.parent} to start fresh."
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(
+            f"{path} is not valid JSON ({exc}); delete {path.parent} to start fresh."
+        ) from exc
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{path} holds {type(data).__name__}, expected a JSON object; "
+                                     f"delete {path.parent} to start fresh.")
+    return data
+
+
+class RecoverStore:
+    """Paths, commit protocol, repair and validation of one trial's recover checkpoint."""
+
+    def __init__(self, layout: TrialLayout, name: str = "default") -> None:
+        self.layout = layout
+        self.ckpt_dir = layout.recover_checkpoint_dir(name)
+        self.info_dir = layout.recover_info_dir
+
+    # -- writing ---------------------------------------------------------------------------
+
+    @staticmethod
+    def new_generation(global_step: int) -> str:
+        """A unique name for one save."""
+        return f"{global_step}-{uuid.uuid4().hex[:8]}"
+
+    def tmp_ckpt_dir(self, gen: str) -> Path:
+        """Where the DCP files of save ``gen`` are written."""
+        return self.ckpt_dir.parent / f"{_TMP_CKPT}{gen}"
+
+    def _tmp_info_dir(self, gen: str) -> Path:
+        return self.info_dir.parent / f"{_TMP_INFO}{gen}"
+
+    def clean_stale(self) -> None:
+        """Remove leftovers of interrupted saves (call when no save is in flight)."""
+        for parent, prefixes in ((self.ckpt_dir.parent, (_TMP_CKPT, _OLD_CKPT)),
+                                 (self.info_dir.parent, (_TMP_INFO, _OLD_INFO))):
+            if parent.is_dir():
+                for child in parent.iterdir():
+                    if child.name.startswith(prefixes):
+                        shutil.rmtree(child, ignore_errors=True)
+
+    def commit(self, gen: str, info: dict[str, dict[str, Any]]) -> None:
+        """Publish the committed DCP directory of save ``gen`` with its ``recover_info``.
+
+        ``info`` maps each of :data:`INFO_FILES` to its content; the file list with sizes
+        and checksums and the commit time are added to ``checkpoint_info.json`` here.
+        """
+        tmp_ckpt = self.tmp_ckpt_dir(gen)
+        checkpoint_info = dict(info["checkpoint_info.json"])
+        checkpoint_info.update(
+            generation=gen,
+            files=file_checksums(tmp_ckpt),
+            commit_time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+        )
+        tmp_info = self._tmp_info_dir(gen)
+        tmp_info.mkdir(parents=True, exist_ok=True)
+        for name in INFO_FILES:
+            content = checkpoint_info if name == "checkpoint_info.json" else info[name]
+            if name == "checkpoint_info.json":
+                fault_point("recover.info.before_checkpoint_info")
+            atomic_write_json(tmp_info / name, content)
+        fsync_dir(tmp_info)
+        fault_point("recover.swap.begin")
+        self._finish_swap(gen)
+
+    def _finish_swap(self, gen: str) -> None:
+        """Idempotently move the new pair of ``gen`` into place (also used by :meth:`repair`)."""
+        tmp_ckpt, tmp_info = self.tmp_ckpt_dir(gen), self._tmp_info_dir(gen)
+        old_ckpt = self.ckpt_dir.parent / f"{_OLD_CKPT}{gen}"
+        old_info = self.info_dir.parent / f"{_OLD_INFO}{gen}"
+        if tmp_ckpt.exists():
+            if self.ckpt_dir.exists():
+                os.rename(self.ckpt_dir, old_ckpt)
+                fault_point("recover.swap.old_checkpoint_moved")
+            os.rename(tmp_ckpt, self.ckpt_dir)
+            fsync_dir(self.ckpt_dir.parent)
+            fault_point("recover.swap.new_checkpoint_in_place")
+        if tmp_info.exists():
+            if self.info_dir.exists():
+                os.rename(self.info_dir, old_info)
+                fault_point("recover.swap.old_info_moved")
+            os.rename(tmp_info, self.info_dir)
+            fsync_dir(self.info_dir.parent)
+            fault_point("recover.swap.new_info_in_place")
+        shutil.rmtree(old_ckpt, ignore_errors=True)
+        shutil.rmtree(old_info, ignore_errors=True)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def repair(self) -> str | None:
+        """Roll forward a swap that a crash interrupted; return its generation, if any.
+
+        A complete ``.tmp-recover_info-{gen}`` (its ``checkpoint_info.json`` exists) is
+        written only after the new DCP directory is committed, so finishing the swap is
+        always safe. Incomplete leftovers are left for :meth:`clean_stale`.
+        """
+        parent = self.info_dir.parent
+        if not parent.is_dir():
+            return None
+        complete = [c for c in parent.iterdir()
+                    if c.name.startswith(_TMP_INFO) and (c / "checkpoint_info.json").is_file()]
+        if not complete:
+            return None
+        newest = max(complete, key=lambda c: int(c.name[len(_TMP_INFO):].split("-")[0]))
+        gen = newest.name[len(_TMP_INFO):]
+        log.warning("recover: finishing the checkpoint swap of save %s that was interrupted", gen)
+        self._finish_swap(gen)
+        return gen
+
+    def exists(self) -> bool:
+        """True when ``recover_info/`` exists (a recover checkpoint is expected)."""
+        return self.info_dir.is_dir()
+
+    def read_info(self) -> dict[str, dict[str, Any]]:
+        """All ``recover_info`` files, validated for syntax and mutual consistency."""
+        info = {name: _read_json(self.info_dir / name) for name in INFO_FILES}
+        ckpt, step = info["checkpoint_info.json"], info["step_info.json"]
+        path = self.info_dir / "checkpoint_info.json"
+        if ckpt.get("format_version") != FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"{path}: format_version {ckpt.get('format_version')!r} is not {FORMAT_VERSION}, "
+                "the version this areal-lightning reads; resume with the version that wrote it, "
+                f"or delete {self.info_dir} to start fresh."
+            )
+        for key in ("global_step", "files", "world_size", "strategy", "experiment_name", "trial_name"):
+            if key not in ckpt:
+                raise CheckpointCorruptError(f"{path}: the key {key!r} is missing; delete {self.info_dir} to start fresh.")
+        if step.get("global_step") != ckpt["global_step"] - 1:
+            raise CheckpointCorruptError(
+                f"{self.info_dir / 'step_info.json'} says global step {step.get('global_step')!r} but "
+                f"{path} describes a checkpoint after {ckpt['global_step']} steps: recover_info/ does not "
+                f"describe the checkpoint that is there. Delete {self.info_dir} to start fresh."
+            )
+        return info
+
+    def verify(self, checkpoint_info: dict[str, Any]) -> float:
+        """Check every file of the checkpoint against ``checkpoint_info``; return bytes checked.
+
+        Raises :class:`CheckpointCorruptError` naming the first missing, truncated or
+        altered file (a partial checkpoint is never loaded).
+        """
+        if not self.ckpt_dir.is_dir():
+            raise CheckpointCorruptError(
+                f"{self.ckpt_dir} is missing although {self.info_dir} describes a checkpoint after "
+                f"{checkpoint_info['global_step']} steps; delete {self.info_dir} to start fresh."
+            )
+        expected: dict[str, dict[str, int]] = checkpoint_info["files"]
+        if COMMIT_MARKER not in expected:
+            raise CheckpointCorruptError(f"{self.info_dir / 'checkpoint_info.json'} lists no {COMMIT_MARKER}")
+        total = 0
+        for rel, want in sorted(expected.items()):
+            path = self.ckpt_dir / rel
+            hint = f"the recover checkpoint is damaged; restore the file or delete {self.info_dir} to start fresh"
+            if not path.is_file():
+                raise CheckpointCorruptError(f"{path} is missing: {hint}.")
+            size = path.stat().st_size
+            if size != want["size"]:
+                raise CheckpointCorruptError(f"{path} has {size} bytes, expected {want['size']} (truncated?): {hint}.")
+            crc = 0
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+            if crc != want["crc32"]:
+                raise CheckpointCorruptError(f"{path} fails its CRC32 check (content altered): {hint}.")
+            total += size
+        return total

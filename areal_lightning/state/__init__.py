@@ -1,0 +1,1 @@
+"""Capture and restore of training state that Lightning does not checkpoint itself."""

@@ -1,0 +1,157 @@
+"""Exact resume of the training dataloader position, with no change to the user's loader code.
+
+Lightning restores the position only of loaders that have ``state_dict``/``load_state_dict``
+(torchdata ``StatefulDataLoader``); a plain ``DataLoader`` restarts mid-epoch at a fresh
+permutation. :class:`LoaderTracker` makes the train ``DataLoader`` objects resumable by
+giving each one a small subclass (same object, same arguments) whose ``__iter__``:
+
+- records the torch RNG state right before the iterator is created (the state from which
+  the iterator draws the worker base seed and ``RandomSampler`` its permutation), and
+- on the first ``iter()`` after a resume, sets the torch RNG back to that recorded state and
+  fast-forwards past the batches the interrupted run had already trained on.
+
+So the resumed epoch yields the same batches in the same order, through the same worker
+seeds, as the uninterrupted run. At an epoch boundary nothing is skipped: the iterator of
+the next epoch is created from the RNG state saved with the checkpoint.
+
+``StatefulDataLoader`` keeps Lightning's own mid-epoch restore; at an epoch boundary its
+exhausted state is dropped (Lightning would otherwise skip the next epoch) and the state of
+its sampler's generator is restored instead.
+
+Limits: with ``num_workers=0``, randomness drawn from the global RNG inside
+``Dataset.__getitem__`` for the first batch after a mid-epoch resume is not replayed;
+``persistent_workers=True`` keeps one iterator across epochs and is exact only for resumes
+inside the first epoch of a process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+__all__ = ["LoaderTracker", "is_stateful_loader"]
+
+log = logging.getLogger(__name__)
+
+
+def is_stateful_loader(loader: Any) -> bool:
+    """True for loaders Lightning saves and restores itself (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _sampler_generator(loader: Any) -> torch.Generator | None:
+    sampler = getattr(loader, "sampler", None)
+    gen = getattr(sampler, "generator", None)
+    return gen if isinstance(gen, torch.Generator) else None
+
+
+def _resumable_subclass(cls: type) -> type:
+    """A subclass of ``cls`` that routes ``__iter__`` through the tracker (set as class attributes).
+
+    Built with ``type()`` and no extra base, so the object layout equals ``cls``'s and an
+    existing loader's ``__class__`` can be swapped in place.
+    """
+
+    def __iter__(self: Any) -> Iterator[Any]:
+        return type(self)._areal_tracker._iterate(self, type(self)._areal_index, super(sub, self).__iter__)
+
+    sub = type(f"Resumable{cls.__name__}", (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                                     "_areal_resumable": True})
+    return sub
+
+
+class LoaderTracker:
+    """Tracks the train loaders of one run and replays their position after a resume."""
+
+    def __init__(self) -> None:
+        self._classes: dict[type, type] = {}
+        self._iter_rng: dict[int, torch.Tensor] = {}
+        self._loaders: dict[int, Any] = {}
+        self._pending: dict[int, dict[str, Any]] = {}
+        self.replayed: list[str] = []
+
+    # -- wiring ----------------------------------------------------------------------------
+
+    def track(self, loader: Any, index: int) -> Any:
+        """Make ``loader`` (the ``index``-th train loader) resumable; returns the same object."""
+        if not isinstance(loader, DataLoader):
+            return loader
+        cls = type(loader)
+        if not cls.__dict__.get("_areal_resumable", False):
+            sub = self._classes.get(cls)
+            if sub is None:
+                sub = self._classes[cls] = _resumable_subclass(cls)
+            object.__setattr__(loader, "__class__", sub)
+        # Class attributes, so that Lightning's re-instantiation (DistributedSampler) keeps them.
+        type(loader)._areal_tracker = self
+        type(loader)._areal_index = index
+        self._loaders[index] = loader
+        return loader
+
+    # -- save / load -----------------------------------------------------------------------
+
+    def state_dict(self, batches_done: int, at_boundary: bool) -> dict[str, Any]:
+        """Position of every tracked loader: ``batches_done`` of the current epoch are trained."""
+        loaders = {}
+        for index, loader in self._loaders.items():
+            stateful = is_stateful_loader(loader)
+            entry: dict[str, Any] = {"stateful": stateful, "batches_done": batches_done}
+            if not at_boundary and not stateful:
+                if index not in self._iter_rng:
+                    raise RuntimeError("internal: train loader position requested before its iterator was created")
+                entry["iter_rng"] = self._iter_rng[index]
+            gen = _sampler_generator(loader)
+            if at_boundary and stateful and gen is not None:
+                entry["sampler_generator"] = gen.get_state()
+            loaders[str(index)] = entry
+        return {"at_boundary": at_boundary, "loaders": loaders}
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint_rng: torch.Tensor) -> None:
+        """Arm the replay for the next ``iter()`` of each loader.
+
+        ``checkpoint_rng`` is the torch RNG state saved with the checkpoint: at an epoch
+        boundary the next epoch's iterator is created from it.
+        """
+        self._pending = {}
+        for key, entry in state.get("loaders", {}).items():
+            if state["at_boundary"]:
+                self._pending[int(key)] = {"rng": checkpoint_rng, "skip": 0,
+                                           "sampler_generator": entry.get("sampler_generator")}
+            elif not entry["stateful"]:
+                self._pending[int(key)] = {"rng": entry["iter_rng"], "skip": int(entry["batches_done"])}
+            # stateful + mid-epoch: Lightning restores the loader's own state.
+
+    @property
+    def armed(self) -> bool:
+        """True while a replay waits for its ``iter()``."""
+        return bool(self._pending)
+
+    # -- the iterator ----------------------------------------------------------------------
+
+    def _iterate(self, loader: Any, index: int, make_iter: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        pending = self._pending.pop(index, None)
+        if pending is not None:
+            torch.set_rng_state(pending["rng"].to(torch.uint8))
+            gen_state = pending.get("sampler_generator")
+            gen = _sampler_generator(loader)
+            if gen_state is not None and gen is not None:
+                gen.set_state(gen_state.to(torch.uint8))
+        self._iter_rng[index] = torch.get_rng_state()
+        iterator = make_iter()
+        if pending is not None:
+            skip = pending["skip"]
+            for done in range(skip):
+                try:
+                    next(iterator)
+                except StopIteration:
+                    raise RuntimeError(
+                        f"resume: the train dataloader ended after {done} batches, but the checkpoint was taken "
+                        f"after {skip} batches of this epoch; the dataset or batch size changed since the "
+                        "checkpoint was written. Restore them, or delete recover_info/ to start fresh."
+                    ) from None
+            self.replayed.append(f"loader {index}: {'skipped ' + str(skip) + ' trained batches' if skip else 'epoch start'}")
+            log.debug("train loader %d resumed (skip=%d)", index, skip)
+        return iterator

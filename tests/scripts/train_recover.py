@@ -1,0 +1,110 @@
+"""A small real training job for resume tests: dropout, AdamW, a per-step LR scheduler.
+
+    python tests/scripts/train_recover.py --root DIR --losses FILE [--loader plain|stateful]
+        [--workers N] [--no-shuffle] [--kill-at-step N] [--io-mode sync|async] [--freq-steps N]
+        [--freq-epochs N] [--epochs N] [--logger csv|none]
+
+Appends one JSON line per optimizer step to --losses: {"step", "loss" (float.hex), "pid"}.
+--kill-at-step N sends SIGKILL to itself at the end of step N (before that step's save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from areal_lightning import HFSaverCallback, RecoverCallback
+
+warnings.filterwarnings("ignore")
+
+
+class Noisy(Dataset):
+    """Deterministic regression data."""
+
+    def __init__(self, n: int = 48) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class Net(pl.LightningModule):
+    def __init__(self, losses: str) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                       torch.nn.Linear(32, 1))
+        self.losses_path = losses
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        with open(self.losses_path, "a") as f:
+            f.write(json.dumps({"step": self.trainer.global_step, "loss": outputs["loss"].item().hex(),
+                                "pid": os.getpid()}) + "\n")
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class KillAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--losses", required=True)
+    p.add_argument("--loader", default="plain", choices=["plain", "stateful"])
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--no-shuffle", action="store_true")
+    p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--io-mode", default="sync")
+    p.add_argument("--freq-steps", type=int, default=5)
+    p.add_argument("--freq-epochs", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--logger", default="csv", choices=["csv", "none"])
+    args = p.parse_args()
+
+    pl.seed_everything(0, workers=True, verbose=False)
+    if args.loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader as Loader
+    else:
+        Loader = DataLoader
+    loader = Loader(Noisy(), batch_size=4, shuffle=not args.no_shuffle, num_workers=args.workers)
+    recover = RecoverCallback(fileroot=args.root, experiment_name="exp", trial_name="t", user="u",
+                              freq_steps=args.freq_steps, freq_epochs=args.freq_epochs, io_mode=args.io_mode)
+    callbacks = [recover]
+    if args.kill_at_step is not None:
+        callbacks.insert(0, KillAt(args.kill_at_step))
+    logger = pl.loggers.CSVLogger(os.path.join(args.root, "logs"), name="run") if args.logger == "csv" else False
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=logger,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks, log_every_n_steps=1)
+    trainer.fit(Net(args.losses), loader)
+
+
+if __name__ == "__main__":
+    main()
