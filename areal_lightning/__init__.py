@@ -14,9 +14,18 @@ Names are imported lazily, so ``areal-lightning run`` starts without importing L
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Like Lightning does for its own logger: show our INFO lines (saves, resumes) unless the
+# application configured logging itself.
+_logger = logging.getLogger(__name__)
+if not _logger.handlers and not logging.getLogger().handlers:
+    _logger.setLevel(logging.INFO)
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 _EXPORTS = {
     "HFSaverCallback": "areal_lightning.callbacks",

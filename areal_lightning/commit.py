@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_lightning._fault import fault_point
-from areal_lightning.layout import TMP_PREFIX, TRASH_PREFIX, is_tmp_name, tmp_sibling
+from areal_lightning.layout import TMP_PREFIX, TRASH_PREFIX, is_export_tmp_name, tmp_sibling
 
 __all__ = ["fsync_dir", "fsync_tree", "publish_dir", "remove_dir", "atomic_write_json", "clean_stale_tmp"]
 
@@ -66,7 +66,7 @@ def remove_dir(path: Path) -> None:
 
 
 def clean_stale_tmp(parent: Path, keep: tuple[Path, ...] = ()) -> list[Path]:
-    """Remove this library's leftover ``.tmp-*`` / ``.trash-*`` folders in ``parent``.
+    """Remove leftover temporary / trash folders of HF exports in ``parent``.
 
     Call only when no save into ``parent`` is in flight except those listed in ``keep``.
     Returns the removed paths.
@@ -76,7 +76,7 @@ def clean_stale_tmp(parent: Path, keep: tuple[Path, ...] = ()) -> list[Path]:
         return removed
     keep_names = {p.name for p in keep}
     for child in parent.iterdir():
-        if is_tmp_name(child.name) and child.name not in keep_names and child.is_dir():
+        if is_export_tmp_name(child.name) and child.name not in keep_names and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed

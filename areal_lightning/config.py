@@ -47,6 +47,18 @@ class ConfigError(ValueError):
         super().__init__(f"{field_name}: {message}")
 
 
+def validate_model_name(value: Any, field_name: str = "name") -> str:
+    """Validate a model folder name: a :func:`validate_name` that is not reserved.
+
+    ``recover_info`` (the metadata folder) and names starting with ``.`` (temporary
+    folders) are reserved.
+    """
+    validate_name(value, field_name)
+    if value == "recover_info" or value.startswith("."):
+        raise ConfigError(field_name, f"{value!r} is reserved (recover_info and names starting with '.')")
+    return value
+
+
 def validate_name(value: Any, field_name: str) -> str:
     """Return ``value`` if it is a usable single path component, else raise :class:`ConfigError`.
 

@@ -9,6 +9,8 @@
 
 Temporary folders are hidden siblings named ``.tmp-{final}-{token}``; folders being
 deleted are first renamed to ``.trash-{final}-{token}``. Neither ever matches an export name.
+Model names are single folder names; ``recover_info`` and names starting with ``.`` are
+reserved (:data:`RESERVED_NAMES`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name"]
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+RESERVED_NAMES = ("recover_info",)
 
 
 @dataclass(frozen=True, order=True)
@@ -59,9 +62,17 @@ def tmp_sibling(final: Path, prefix: str = TMP_PREFIX) -> Path:
     return final.parent / f"{prefix}{final.name}-{uuid.uuid4().hex[:12]}"
 
 
-def is_tmp_name(name: str) -> bool:
-    """True for this library's temporary or trash folder names."""
-    return name.startswith(TMP_PREFIX) or name.startswith(TRASH_PREFIX)
+def is_export_tmp_name(name: str) -> bool:
+    """True for the temporary or trash sibling of an HF export (``.tmp-epoch…-token``).
+
+    Only these are cleaned by the exporter: the recover checkpoint's own temporary folders
+    (``.tmp-recover_checkpoint-…``) live in the same model folder and must not be touched.
+    """
+    for prefix in (TMP_PREFIX, TRASH_PREFIX):
+        if name.startswith(prefix):
+            final, sep, token = name[len(prefix):].rpartition("-")
+            return bool(sep) and len(token) == 12 and parse_export_name(final) is not None
+    return False
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ checkpoint plus, while a save is being written, the new one.
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from areal_lightning.commit import atomic_write_json, fsync_dir
 from areal_lightning.engine import COMMIT_MARKER, CheckpointCorruptError
 from areal_lightning.layout import TrialLayout
 
-__all__ = ["RecoverStore", "RecoverMismatchError", "INFO_FILES", "FORMAT_VERSION", "file_checksums"]
+__all__ = ["TrialLock", "RecoverStore", "RecoverMismatchError", "INFO_FILES", "FORMAT_VERSION", "file_checksums", "file_checksums_of"]
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,18 @@ class RecoverMismatchError(RuntimeError):
     strategy, experiment, trial); the message explains what differs and what to do."""
 
 
+def file_checksums_of(path: Path) -> dict[str, int]:
+    """``{"size", "crc32"}`` of one file."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": path.stat().st_size, "crc32": crc}
+
+
 def file_checksums(root: Path) -> dict[str, dict[str, int]]:
     """``{relative path: {"size", "crc32"}}`` of every file below ``root``."""
-    out: dict[str, dict[str, int]] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        crc = 0
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        out[str(path.relative_to(root))] = {"size": path.stat().st_size, "crc32": crc}
-    return out
+    return {str(p.relative_to(root)): file_checksums_of(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -79,6 +82,43 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{path} holds {type(data).__name__}, expected a JSON object; "
                                      f"delete {path.parent} to start fresh.")
     return data
+
+
+class TrialLock:
+    """An exclusive ``flock`` on ``{trial}/.lock`` while a run writes the trial.
+
+    Two processes training the same trial (an overlapping restart, a requeued job whose
+    predecessor still runs) would delete each other's temporary folders and swap
+    checkpoints under each other; the second one is refused instead. The OS releases
+    the lock when the holder dies, SIGKILL included.
+    """
+
+    def __init__(self, trial_dir: Path) -> None:
+        self.path = trial_dir / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``RuntimeError`` naming the process that holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RuntimeError(
+                f"{self.path.parent} is being trained by another process (pid {holder}); two runs must not "
+                "write the same trial. Stop the other run or use another trial_name.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 class RecoverStore:
@@ -119,6 +159,10 @@ class RecoverStore:
         and checksums and the commit time are added to ``checkpoint_info.json`` here.
         """
         tmp_ckpt = self.tmp_ckpt_dir(gen)
+        if not (tmp_ckpt / COMMIT_MARKER).is_file():
+            raise CheckpointCorruptError(
+                f"{tmp_ckpt} has no {COMMIT_MARKER} at commit time (was it removed by another process?); "
+                "the previous recover checkpoint stays in place")
         checkpoint_info = dict(info["checkpoint_info.json"])
         checkpoint_info.update(
             generation=gen,
@@ -137,7 +181,11 @@ class RecoverStore:
         self._finish_swap(gen)
 
     def _finish_swap(self, gen: str) -> None:
-        """Idempotently move the new pair of ``gen`` into place (also used by :meth:`repair`)."""
+        """Idempotently move the new pair of ``gen`` into place (also used by :meth:`repair`).
+
+        The new DCP folder is either still at its temporary name or already in place (a
+        crash after that rename); the recover_info follows it.
+        """
         tmp_ckpt, tmp_info = self.tmp_ckpt_dir(gen), self._tmp_info_dir(gen)
         old_ckpt = self.ckpt_dir.parent / f"{_OLD_CKPT}{gen}"
         old_info = self.info_dir.parent / f"{_OLD_INFO}{gen}"
@@ -170,15 +218,29 @@ class RecoverStore:
         parent = self.info_dir.parent
         if not parent.is_dir():
             return None
-        complete = [c for c in parent.iterdir()
-                    if c.name.startswith(_TMP_INFO) and (c / "checkpoint_info.json").is_file()]
+        complete = {}
+        for c in parent.iterdir():
+            step, _, _token = c.name[len(_TMP_INFO):].partition("-")
+            if c.name.startswith(_TMP_INFO) and step.isdigit() and (c / "checkpoint_info.json").is_file():
+                complete[int(step)] = c.name[len(_TMP_INFO):]
         if not complete:
             return None
-        newest = max(complete, key=lambda c: int(c.name[len(_TMP_INFO):].split("-")[0]))
-        gen = newest.name[len(_TMP_INFO):]
+        gen = complete[max(complete)]
+        if not self.tmp_ckpt_dir(gen).exists() and not self._in_place_is(gen):
+            log.warning("recover: %s has no checkpoint to go with it; leaving it for cleanup", self._tmp_info_dir(gen))
+            return None
         log.warning("recover: finishing the checkpoint swap of save %s that was interrupted", gen)
         self._finish_swap(gen)
         return gen
+
+    def _in_place_is(self, gen: str) -> bool:
+        """Does ``recover_checkpoint/`` hold the checkpoint described by the temporary info of ``gen``?"""
+        try:
+            want = json.loads((self._tmp_info_dir(gen) / "checkpoint_info.json").read_text())["files"][COMMIT_MARKER]
+            have = file_checksums_of(self.ckpt_dir / COMMIT_MARKER)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return have == want
 
     def exists(self) -> bool:
         """True when ``recover_info/`` exists (a recover checkpoint is expected)."""
@@ -195,9 +257,16 @@ class RecoverStore:
                 "the version this areal-lightning reads; resume with the version that wrote it, "
                 f"or delete {self.info_dir} to start fresh."
             )
-        for key in ("global_step", "files", "world_size", "strategy", "experiment_name", "trial_name"):
-            if key not in ckpt:
-                raise CheckpointCorruptError(f"{path}: the key {key!r} is missing; delete {self.info_dir} to start fresh.")
+        for key, types in (("global_step", int), ("files", dict), ("world_size", int), ("strategy", str),
+                           ("experiment_name", str), ("trial_name", str)):
+            if not isinstance(ckpt.get(key), types):
+                raise CheckpointCorruptError(
+                    f"{path}: {key!r} is missing or not a {types.__name__}; delete {self.info_dir} to start fresh.")
+        step_path = self.info_dir / "step_info.json"
+        for key in ("epoch", "epoch_step", "global_step"):
+            if not isinstance(step.get(key), int):
+                raise CheckpointCorruptError(
+                    f"{step_path}: {key!r} is missing or not an integer; delete {self.info_dir} to start fresh.")
         if step.get("global_step") != ckpt["global_step"] - 1:
             raise CheckpointCorruptError(
                 f"{self.info_dir / 'step_info.json'} says global step {step.get('global_step')!r} but "
@@ -224,16 +293,14 @@ class RecoverStore:
         for rel, want in sorted(expected.items()):
             path = self.ckpt_dir / rel
             hint = f"the recover checkpoint is damaged; restore the file or delete {self.info_dir} to start fresh"
+            if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not isinstance(want.get("crc32"), int):
+                raise CheckpointCorruptError(f"{self.info_dir / 'checkpoint_info.json'}: bad entry for {rel!r}: {want!r}")
             if not path.is_file():
                 raise CheckpointCorruptError(f"{path} is missing: {hint}.")
             size = path.stat().st_size
             if size != want["size"]:
                 raise CheckpointCorruptError(f"{path} has {size} bytes, expected {want['size']} (truncated?): {hint}.")
-            crc = 0
-            with open(path, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    crc = zlib.crc32(chunk, crc)
-            if crc != want["crc32"]:
+            if file_checksums_of(path)["crc32"] != want["crc32"]:
                 raise CheckpointCorruptError(f"{path} fails its CRC32 check (content altered): {hint}.")
             total += size
         return total

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
 from areal_lightning.commit import clean_stale_tmp, remove_dir
-from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, load_config, validate_name
+from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, load_config, validate_model_name
 from areal_lightning.engine import BackgroundWorker
 from areal_lightning.freq import FreqController
 from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
@@ -86,7 +86,7 @@ class HFSaverCallback(Callback):
                 mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps, freq_secs=freq_secs, max_keep=max_keep
             ),
         ).validate()
-        self.name = validate_name(name, "name")
+        self.name = validate_model_name(name, "name")
         if not (callable(model_attr) or (isinstance(model_attr, str) and model_attr.strip())):
             raise ConfigError("model_attr", f"expected an attribute name or a callable, got {model_attr!r}")
         if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
@@ -101,6 +101,7 @@ class HFSaverCallback(Callback):
         self.last_export: Path | None = None
         self.resolved_mode: str | None = None
         self._worker: BackgroundWorker | None = None
+        self._last_seen_step = -1
 
     # -- construction from config ---------------------------------------------------------
 
@@ -178,9 +179,7 @@ class HFSaverCallback(Callback):
         if stage != "fit":
             return
         self.resolve_model(pl_module)  # fail before training, not at the first save
-        self.resolved_mode = self._resolve_mode(trainer)
-        if self.resolved_mode == "async" and trainer.is_global_zero and self._worker is None:
-            self._worker = BackgroundWorker(name=f"areal-hf-{self.name}")
+        self.resolved_mode = None  # resolved at the first save, once every callback's setup ran
         self.freq.start()
 
     def _resolve_mode(self, trainer: "pl.Trainer") -> str:
@@ -219,6 +218,9 @@ class HFSaverCallback(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if trainer.global_step == self._last_seen_step:
+            return  # no optimizer step in this batch (gradient accumulation)
+        self._last_seen_step = trainer.global_step
         if self._agree(trainer, self.freq.check_step(trainer.global_step)):
             self.save(trainer, pl_module)
 
@@ -246,6 +248,10 @@ class HFSaverCallback(Callback):
         if not trainer.is_global_zero:
             return None
         start = time.perf_counter()
+        if self.resolved_mode is None:
+            self.resolved_mode = self._resolve_mode(trainer)
+            if self.resolved_mode == "async":
+                self._worker = BackgroundWorker(name=f"areal-hf-{self.name}")
         model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
         if self._worker is None:
             self._write(model, tokenizer, final, None, None, start)

@@ -18,11 +18,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
-from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, load_config, validate_name
+from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, load_config, validate_model_name
 from areal_lightning.engine import CheckpointCorruptError
 from areal_lightning.freq import FreqController
 from areal_lightning.layout import TrialLayout
-from areal_lightning.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore
+from areal_lightning.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore, TrialLock
 from areal_lightning.state.data import LoaderTracker, is_stateful_loader
 from areal_lightning.state.rng import capture_rng, restore_rng
 
@@ -134,7 +134,7 @@ class RecoverCallback(Callback):
             raise ConfigError("on_resume", f"expected a callable fn(trainer, module, step_info), got {on_resume!r}")
         self.config = exp.recover
         self.experiment = exp
-        self.name = validate_name(name, "name")
+        self.name = validate_model_name(name, "name")
         self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
         self.store = RecoverStore(self.layout, self.name)
         self.io_mode = io_mode
@@ -149,6 +149,8 @@ class RecoverCallback(Callback):
         self._epoch_start_step = 0
         self._saving_at_boundary: bool | None = None
         self._io: DCPCheckpointIO | None = None
+        self._lock: TrialLock | None = None
+        self._last_seen_step = -1
         self._trainer_ref: "pl.Trainer | None" = None
         self._patched: list[tuple[Any, str]] = []
 
@@ -179,12 +181,12 @@ class RecoverCallback(Callback):
             return
         self._io = self._install_io(trainer)
         self._trainer_ref = trainer
+        if trainer.is_global_zero:
+            self._lock = TrialLock(self.layout.trial_dir)
+            self._lock.acquire()
         # Run after the other callbacks at each hook, so their state at this step is saved.
         # (A new list: Lightning is iterating over the current one.)
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
-        self._plan = self._plan_resume(trainer)
-        if self._plan is not None:
-            self._continue_logger_versions(trainer, self._plan.info["stats_logger_info.json"])
         self._wire(trainer)
         self.freq.start()
 
@@ -217,25 +219,32 @@ class RecoverCallback(Callback):
             raise RuntimeError(
                 "RecoverCallback: this Lightning version does not have the internals auto-resume relies on "
                 "(_checkpoint_connector.resume_start, fit_loop._data_source.dataloader); pass "
-                "ckpt_path=RecoverCallback.last_checkpoint(...) to trainer.fit instead"
+                "ckpt_path=recover_callback.last_checkpoint() to trainer.fit instead"
             )
         original_resume, original_loader = connector.resume_start, source.dataloader
 
         def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
-            if checkpoint_path is None and self._plan is not None:
-                checkpoint_path = str(self._plan.path)
-                self._resuming = True
-            elif checkpoint_path is not None and self._plan is not None:
-                log.info("RecoverCallback: an explicit ckpt_path=%s was given; it wins over %s",
-                         checkpoint_path, self._plan.path)
-            original_resume(checkpoint_path, weights_only)
-            if self._resuming:
-                loaded = connector._loaded_checkpoint.get("global_step")
-                want = self._plan.info["checkpoint_info.json"]["global_step"]
-                if loaded != want:
-                    raise CheckpointCorruptError(
-                        f"{self._plan.path} holds global step {loaded}, but {self.store.info_dir} describes "
-                        f"global step {want}; delete {self.store.info_dir} to start fresh")
+            if checkpoint_path is not None:
+                log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
+                return original_resume(checkpoint_path, weights_only)
+            self._plan = self._plan_resume(trainer)
+            if self._plan is None:
+                return original_resume(None, weights_only)
+            self._continue_logger_versions(trainer, self._plan.info["stats_logger_info.json"])
+            self._resuming = True
+            # Our own checkpoint from the trial's folder: its non-tensor state (e.g. the module's
+            # hyper-parameters) may hold arbitrary Python objects (see the README's security note).
+            original_resume(str(self._plan.path), False)
+            loaded = connector._loaded_checkpoint.get("global_step")
+            want = self._plan.info["checkpoint_info.json"]["global_step"]
+            if loaded != want:
+                raise CheckpointCorruptError(
+                    f"{self._plan.path} holds global step {loaded}, but {self.store.info_dir} describes "
+                    f"global step {want}; delete {self.store.info_dir} to start fresh")
+            step = self._plan.info["step_info.json"]
+            log.info("RecoverCallback: resuming from %s after global step %d (epoch %d, step %d in epoch); "
+                     "checksums of %.1f MB verified in %.2fs", self._plan.path, step["global_step"], step["epoch"],
+                     step["epoch_step"], self._plan.verified_bytes / 1e6, self._plan.verify_s)
 
         def dataloader() -> Any:
             loaders = original_loader()
@@ -250,6 +259,10 @@ class RecoverCallback(Callback):
         for obj, attr in self._patched:
             obj.__dict__.pop(attr, None)
         self._patched = []
+        self.tracker.untrack()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _plan_resume(self, trainer: "pl.Trainer") -> _ResumePlan | None:
         self.store.repair()
@@ -316,8 +329,9 @@ class RecoverCallback(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.enabled:
-            return
+        if not self.enabled or trainer.global_step == self._last_seen_step:
+            return  # no optimizer step in this batch (gradient accumulation): nothing new to save
+        self._last_seen_step = trainer.global_step
         decision = self.freq.check_step(trainer.global_step)
         if self.freq.uses_clock and trainer.world_size > 1:
             decision = bool(trainer.strategy.broadcast(decision, src=0))
@@ -336,6 +350,12 @@ class RecoverCallback(Callback):
             self._io.engine.wait()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        """Let the save in flight finish (its failure is logged, not raised over the original error)."""
+        if self._io is not None:
+            try:
+                self._io.engine.wait()
+            except BaseException as err:  # noqa: BLE001 - the original exception propagates
+                log.error("RecoverCallback: the recover checkpoint in flight failed too: %s", err)
         self._unwire()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -441,12 +461,23 @@ class RecoverCallback(Callback):
         return state
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
+        if self._saving_at_boundary is None:
+            return
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         if self._saving_at_boundary:
             # A stateful loader saved after its last batch would skip the next epoch on resume
             # (Lightning restores it as "exhausted"); the tracker restores its sampler instead.
-            fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
             if "combined_loader" in fit_state:
                 fit_state["combined_loader"] = []
+            return
+        # Keep each stateful loader's state (as Lightning saved it) in our own state too:
+        # Lightning drops it when configure_optimizers builds the loader early (#20550).
+        states = iter(fit_state.get("combined_loader", []))
+        ours = checkpoint["callbacks"][self.state_key]["data"]["loaders"]
+        combined = trainer.fit_loop._combined_loader
+        for i, dl in enumerate(combined.flattened if combined is not None else []):
+            if is_stateful_loader(dl) and str(i) in ours:
+                ours[str(i)]["loader_state"] = next(states, None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.freq.load_state_dict(state_dict.get("freq", {}))
@@ -464,20 +495,17 @@ class RecoverCallback(Callback):
             # The next epoch's iterator was created from the saved torch RNG state already.
             rng = {**rng, "torch": torch.get_rng_state()}
         restore_rng(rng)
-        step = self._step_info(trainer)
-        step = StepInfo(step.epoch, step.epoch_step, trainer.global_step - 1, step.steps_per_epoch)
         if self._plan is not None and self._resuming:
             step = StepInfo(**{k: v for k, v in self._plan.info["step_info.json"].items() if k != "next"})
-            where = (f"{self._plan.path} (checksums of {self._plan.verified_bytes / 1e6:.1f} MB verified in "
-                     f"{self._plan.verify_s:.2f}s)")
         else:
-            where = str(trainer.ckpt_path)
+            now = self._step_info(trainer)
+            step = StepInfo(now.epoch, now.epoch_step, trainer.global_step - 1, now.steps_per_epoch)
         self._resuming = False
         self.resumed_from = step
         log.info(
             "RecoverCallback: resumed from %s after global step %d (epoch %d, step %d in epoch); restored model, "
             "%d optimizer(s), %d LR scheduler(s), loop progress, RNG, dataloader position (%s), callback states",
-            where, step.global_step, step.epoch, step.epoch_step, len(trainer.optimizers),
+            trainer.ckpt_path, step.global_step, step.epoch, step.epoch_step, len(trainer.optimizers),
             len(trainer.lr_scheduler_configs), "; ".join(self.tracker.replayed) or "restored by the loader itself")
         if self.on_resume is not None:
             self.on_resume(trainer, pl_module, step)
@@ -488,8 +516,7 @@ class RecoverCallback(Callback):
     # -- helpers for users -----------------------------------------------------------------
 
     def last_checkpoint(self) -> Path | None:
-        """The committed recover checkpoint of this trial (validated), or ``None``."""
-        self.store.repair()
+        """The committed recover checkpoint of this trial (validated, read-only), or ``None``."""
         if not self.store.exists():
             return None
         info = self.store.read_info()

@@ -14,9 +14,10 @@ So the resumed epoch yields the same batches in the same order, through the same
 seeds, as the uninterrupted run. At an epoch boundary nothing is skipped: the iterator of
 the next epoch is created from the RNG state saved with the checkpoint.
 
-``StatefulDataLoader`` keeps Lightning's own mid-epoch restore; at an epoch boundary its
-exhausted state is dropped (Lightning would otherwise skip the next epoch) and the state of
-its sampler's generator is restored instead.
+A ``StatefulDataLoader`` mid-epoch gets its own ``state_dict`` back (as Lightning saved it;
+also when Lightning itself drops it, issue #20550); at an epoch boundary its exhausted
+state is dropped (Lightning would otherwise skip the next epoch) and the state of its
+sampler's generator is restored instead. A changed ``batch_size`` is refused.
 
 Limits: with ``num_workers=0``, randomness drawn from the global RNG inside
 ``Dataset.__getitem__`` for the first batch after a mid-epoch resume is not replayed;
@@ -67,7 +68,6 @@ class LoaderTracker:
     """Tracks the train loaders of one run and replays their position after a resume."""
 
     def __init__(self) -> None:
-        self._classes: dict[type, type] = {}
         self._iter_rng: dict[int, torch.Tensor] = {}
         self._loaders: dict[int, Any] = {}
         self._pending: dict[int, dict[str, Any]] = {}
@@ -80,16 +80,24 @@ class LoaderTracker:
         if not isinstance(loader, DataLoader):
             return loader
         cls = type(loader)
-        if not cls.__dict__.get("_areal_resumable", False):
-            sub = self._classes.get(cls)
-            if sub is None:
-                sub = self._classes[cls] = _resumable_subclass(cls)
-            object.__setattr__(loader, "__class__", sub)
-        # Class attributes, so that Lightning's re-instantiation (DistributedSampler) keeps them.
-        type(loader)._areal_tracker = self
-        type(loader)._areal_index = index
+        if cls.__dict__.get("_areal_resumable", False):
+            cls = cls.__mro__[1]
+        # One subclass per loader; its class attributes survive Lightning re-instantiating
+        # the loader (DistributedSampler injection builds a new object of the same class).
+        sub = _resumable_subclass(cls)
+        sub._areal_tracker = self
+        sub._areal_index = index
+        object.__setattr__(loader, "__class__", sub)
         self._loaders[index] = loader
         return loader
+
+    def untrack(self) -> None:
+        """Give every tracked loader its own class back."""
+        for loader in self._loaders.values():
+            cls = type(loader)
+            if cls.__dict__.get("_areal_resumable", False):
+                object.__setattr__(loader, "__class__", cls.__mro__[1])
+        self._loaders = {}
 
     # -- save / load -----------------------------------------------------------------------
 
@@ -98,7 +106,8 @@ class LoaderTracker:
         loaders = {}
         for index, loader in self._loaders.items():
             stateful = is_stateful_loader(loader)
-            entry: dict[str, Any] = {"stateful": stateful, "batches_done": batches_done}
+            entry: dict[str, Any] = {"stateful": stateful, "batches_done": batches_done,
+                                     "batch_size": getattr(loader, "batch_size", None)}
             if not at_boundary and not stateful:
                 if index not in self._iter_rng:
                     raise RuntimeError("internal: train loader position requested before its iterator was created")
@@ -117,12 +126,17 @@ class LoaderTracker:
         """
         self._pending = {}
         for key, entry in state.get("loaders", {}).items():
+            common = {"batch_size": entry.get("batch_size")}
             if state["at_boundary"]:
-                self._pending[int(key)] = {"rng": checkpoint_rng, "skip": 0,
+                self._pending[int(key)] = {**common, "rng": checkpoint_rng, "skip": 0,
                                            "sampler_generator": entry.get("sampler_generator")}
             elif not entry["stateful"]:
-                self._pending[int(key)] = {"rng": entry["iter_rng"], "skip": int(entry["batches_done"])}
-            # stateful + mid-epoch: Lightning restores the loader's own state.
+                self._pending[int(key)] = {**common, "rng": entry["iter_rng"], "skip": int(entry["batches_done"])}
+            else:
+                # The loader's own state, as Lightning saved it. Lightning restores it too, except
+                # when configure_optimizers built the loader early (estimated_stepping_batches,
+                # Lightning issue #20550); loading the same state twice is harmless.
+                self._pending[int(key)] = {**common, "rng": None, "skip": 0, "loader_state": entry.get("loader_state")}
 
     @property
     def armed(self) -> bool:
@@ -132,9 +146,19 @@ class LoaderTracker:
     # -- the iterator ----------------------------------------------------------------------
 
     def _iterate(self, loader: Any, index: int, make_iter: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        self._loaders[index] = loader  # the object Lightning iterates (it may have re-created it)
         pending = self._pending.pop(index, None)
         if pending is not None:
-            torch.set_rng_state(pending["rng"].to(torch.uint8))
+            want_bs = pending.get("batch_size")
+            if want_bs is not None and getattr(loader, "batch_size", want_bs) != want_bs:
+                raise RuntimeError(
+                    f"resume: train dataloader {index} has batch_size={loader.batch_size}, but the checkpoint was "
+                    f"written with batch_size={want_bs}; the saved position would point at other samples. Use the "
+                    "same batch size, or delete recover_info/ to start fresh.")
+            if pending.get("loader_state") is not None:
+                loader.load_state_dict(pending["loader_state"])
+            if pending.get("rng") is not None:
+                torch.set_rng_state(pending["rng"].to(torch.uint8))
             gen_state = pending.get("sampler_generator")
             gen = _sampler_generator(loader)
             if gen_state is not None and gen is not None:
@@ -152,6 +176,12 @@ class LoaderTracker:
                         f"after {skip} batches of this epoch; the dataset or batch size changed since the "
                         "checkpoint was written. Restore them, or delete recover_info/ to start fresh."
                     ) from None
-            self.replayed.append(f"loader {index}: {'skipped ' + str(skip) + ' trained batches' if skip else 'epoch start'}")
+            if skip:
+                what = f"skipped {skip} trained batches"
+            elif pending.get("loader_state") is not None:
+                what = "its own state restored"
+            else:
+                what = "epoch start"
+            self.replayed.append(f"loader {index}: {what}")
             log.debug("train loader %d resumed (skip=%d)", index, skip)
         return iterator

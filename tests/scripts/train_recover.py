@@ -5,7 +5,8 @@
         [--freq-epochs N] [--epochs N] [--logger csv|none]
 
 Appends one JSON line per optimizer step to --losses: {"step", "loss" (float.hex), "pid"}.
---kill-at-step N sends SIGKILL to itself at the end of step N (before that step's save).
+--kill-at-step N sends SIGKILL to itself at the end of step N (before that step's save);
+the loss of a step is recorded in ``training_step``, so before any checkpoint of that step.
 """
 
 from __future__ import annotations
@@ -51,12 +52,10 @@ class Net(pl.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
-        return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        with open(self.losses_path, "a") as f:
-            f.write(json.dumps({"step": self.trainer.global_step, "loss": outputs["loss"].item().hex(),
+        with open(self.losses_path, "a") as f:  # written before any checkpoint of this step
+            f.write(json.dumps({"step": self.trainer.global_step + 1, "loss": loss.item().hex(),
                                 "pid": os.getpid()}) + "\n")
+        return loss
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.01)

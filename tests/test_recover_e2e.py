@@ -1,0 +1,138 @@
+"""RecoverCallback end to end: real training subprocesses killed with SIGKILL, then run again.
+
+Each case trains the same small job (dropout, AdamW, per-step LR scheduler) once without
+interruption, and once killed and restarted with the same command; the per-step losses of
+the interrupted + resumed run must equal the uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_recover.py"
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def train(root: Path, losses: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--losses", str(losses), *args],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=full_env)
+
+
+def losses_by_step(path: Path) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], set()).add(row["loss"])
+    return out
+
+
+_REFERENCE: dict[tuple[str, ...], dict[int, set[str]]] = {}
+
+
+def reference(tmp_path_factory, args: tuple[str, ...]) -> dict[int, set[str]]:
+    """The uninterrupted run's losses (computed once per configuration)."""
+    key = tuple(a for a in args if not a.startswith("--io-mode") and a not in ("sync", "async"))
+    if key not in _REFERENCE:
+        root = tmp_path_factory.mktemp("reference")
+        proc = train(root, root / "losses.jsonl", *args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _REFERENCE[key] = losses_by_step(root / "losses.jsonl")
+    return _REFERENCE[key]
+
+
+def assert_exact(got: dict[int, set[str]], want: dict[int, set[str]]) -> None:
+    assert sorted(got) == sorted(want), "the resumed run did not train exactly the same steps"
+    for step in want:
+        assert got[step] == want[step], f"step {step}: losses {got[step]} != uninterrupted {want[step]}"
+
+
+CASES = {
+    # name: (kill at step, extra args); 12 steps per epoch, 3 epochs, recover every 5 steps
+    "plain-shuffle-mid-epoch": (7, ()),
+    "plain-shuffle-2-workers": (9, ("--workers", "2")),
+    "plain-no-shuffle": (7, ("--no-shuffle",)),
+    "stateful-loader": (8, ("--loader", "stateful")),
+    "stateful-loader-2-workers": (17, ("--loader", "stateful", "--workers", "2")),
+    "right-after-epoch-end-checkpoint": (13, ("--freq-steps", "100", "--freq-epochs", "1")),
+    "stateful-after-epoch-end-checkpoint": (14, ("--freq-steps", "12", "--loader", "stateful")),
+    "async-checkpoint": (12, ("--io-mode", "async")),  # the save of step 5 is surely committed by step 10's
+    "second-epoch": (23, ("--io-mode", "async", "--workers", "2")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sigkill_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factory, case) -> None:
+    kill_at, args = CASES[case]
+    want = reference(tmp_path_factory, args)
+    losses = tmp_path / "losses.jsonl"
+    killed = train(tmp_path, losses, *args, "--kill-at-step", str(kill_at))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert max(losses_by_step(losses)) == kill_at  # killed at the end of that step
+    resumed = train(tmp_path, losses, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "RecoverCallback: resumed from" in resumed.stderr
+    got = losses_by_step(losses)
+    assert_exact(got, want)
+    # Steps between the checkpoint and the kill ran twice, with identical losses.
+    assert any(len(v) == 1 for v in got.values())
+    info = tmp_path / "checkpoints" / "u" / "exp" / "t" / "recover_info"
+    assert json.loads((info / "step_info.json").read_text())["global_step"] == max(want) - 1
+    # The logger continued its version instead of starting a new one.
+    assert [p.name for p in (tmp_path / "logs" / "run").iterdir()] == ["version_0"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("point", ["engine.before_commit", "engine.after_commit", "recover.info.before_checkpoint_info",
+                                   "recover.swap.old_checkpoint_moved", "recover.swap.new_checkpoint_in_place",
+                                   "recover.swap.old_info_moved"])
+def test_sigkill_while_the_checkpoint_is_written(tmp_path, tmp_path_factory, mode, point) -> None:
+    """Killed during the 2nd save (step 10): resumes from step 5 or 10, never a mix, exact."""
+    args = ("--io-mode", mode)
+    want = reference(tmp_path_factory, args)
+    losses = tmp_path / "losses.jsonl"
+    killed = train(tmp_path, losses, *args, env={"AREAL_LIGHTNING_FAULT": f"{point}:kill@2"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = train(tmp_path, losses, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_exact(losses_by_step(losses), want)
+    trial = tmp_path / "checkpoints" / "u" / "exp" / "t"
+    leftovers = [p.name for p in (trial / "default").iterdir()] + [p.name for p in trial.iterdir()]
+    assert sorted(leftovers) == [".lock", "default", "recover_checkpoint", "recover_info"]  # no temp folders
+
+
+def test_rerunning_a_finished_run_does_nothing(tmp_path) -> None:
+    losses = tmp_path / "losses.jsonl"
+    assert train(tmp_path, losses).returncode == 0
+    n = len(losses.read_text().splitlines())
+    again = train(tmp_path, losses)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(losses.read_text().splitlines()) == n
+    assert "after global step 35" in again.stderr
+
+
+def test_retries_supervisor_resumes_a_crashing_training_run(tmp_path, tmp_path_factory) -> None:
+    """`areal-lightning run --retries 2` around a job killed twice (at steps 7 and 19)."""
+    want = reference(tmp_path_factory, ())
+    losses = tmp_path / "losses.jsonl"
+    wrapper = tmp_path / "job.py"
+    wrapper.write_text(
+        "import os, sys, subprocess\n"
+        "attempt = int(os.environ['AREAL_LIGHTNING_ATTEMPT'])\n"
+        "kill = {1: ['--kill-at-step', '7'], 2: ['--kill-at-step', '19']}.get(attempt, [])\n"
+        f"sys.exit(subprocess.call([sys.executable, {str(SCRIPT)!r}, '--root', {str(tmp_path)!r}, "
+        f"'--losses', {str(losses)!r}, *kill]))\n")
+    proc = subprocess.run([sys.executable, "-m", "areal_lightning", "run", "--retries", "2", "--",
+                           sys.executable, str(wrapper)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attempt 3/3 succeeded" in proc.stderr
+    assert_exact(losses_by_step(losses), want)
