@@ -457,7 +457,9 @@ class RecoverCallback(Callback):
         if boundary is not None:  # only our own saves carry RNG and data position
             trainer = self._trainer_ref
             state["rng"] = capture_rng()
-            state["data"] = self.tracker.state_dict(self._batches_done(trainer), boundary)
+            fetcher = trainer.fit_loop._data_fetcher
+            prefetched = len(getattr(fetcher, "batches", ()))
+            state["data"] = self.tracker.state_dict(self._batches_done(trainer), boundary, prefetched)
         return state
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:

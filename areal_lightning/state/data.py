@@ -5,10 +5,11 @@ Lightning restores the position only of loaders that have ``state_dict``/``load_
 permutation. :class:`LoaderTracker` makes the train ``DataLoader`` objects resumable by
 giving each one a small subclass (same object, same arguments) whose ``__iter__``:
 
-- records the torch RNG state right before the iterator is created (the state from which
-  the iterator draws the worker base seed and ``RandomSampler`` its permutation), and
-- on the first ``iter()`` after a resume, sets the torch RNG back to that recorded state and
-  fast-forwards past the batches the interrupted run had already trained on.
+- records the torch RNG state right before the iterator is created (from which it draws the
+  worker base seed, and with workers the ``RandomSampler`` permutation) and at its first
+  batch (from which a ``RandomSampler`` without workers draws its permutation), and
+- on the first ``iter()`` after a resume, sets the torch RNG back to those recorded states
+  and fast-forwards past the batches the interrupted run had already trained on.
 
 So the resumed epoch yields the same batches in the same order, through the same worker
 seeds, as the uninterrupted run. At an epoch boundary nothing is skipped: the iterator of
@@ -64,10 +65,64 @@ def _resumable_subclass(cls: type) -> type:
     return sub
 
 
+class _TrackedIterator:
+    """Iterator proxy that notes the torch RNG state at its first ``next()`` (where a
+    ``RandomSampler`` without workers draws its seed) and, after a resume, replays the
+    first ``skip`` batches from that state before handing out the next one.
+
+    The replay runs at the first ``next()``, not at ``iter()``, so that several loaders
+    iterated together draw in the order of the uninterrupted run; the RNG stream of the
+    training loop is put back afterwards.
+    """
+
+    def __init__(self, inner: Iterator[Any], tracker: "LoaderTracker", index: int, skip: int = 0,
+                 first_rng: torch.Tensor | None = None) -> None:
+        self._inner = inner
+        self._tracker = tracker
+        self._index = index
+        self._skip = skip
+        self._first_rng = first_rng
+        self._started = False
+
+    def __iter__(self) -> "_TrackedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if not self._started:
+            self._started = True
+            if self._first_rng is None:
+                self._tracker._first_rng[self._index] = torch.get_rng_state()
+            else:
+                self._tracker._first_rng[self._index] = self._first_rng
+                training_rng = torch.get_rng_state()
+                torch.set_rng_state(self._first_rng.to(torch.uint8))
+                try:
+                    for done in range(self._skip):
+                        try:
+                            next(self._inner)
+                        except StopIteration:
+                            raise RuntimeError(
+                                f"resume: the train dataloader ended after {done} batches, but the checkpoint was "
+                                f"taken after {self._skip} batches of this epoch; the dataset changed since the "
+                                "checkpoint was written. Restore it, or delete recover_info/ to start fresh."
+                            ) from None
+                finally:
+                    torch.set_rng_state(training_rng)
+        return next(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class LoaderTracker:
     """Tracks the train loaders of one run and replays their position after a resume."""
 
     def __init__(self) -> None:
+        self._iters: dict[int, Any] = {}
+        self._first_rng: dict[int, torch.Tensor] = {}
         self._iter_rng: dict[int, torch.Tensor] = {}
         self._loaders: dict[int, Any] = {}
         self._pending: dict[int, dict[str, Any]] = {}
@@ -101,17 +156,26 @@ class LoaderTracker:
 
     # -- save / load -----------------------------------------------------------------------
 
-    def state_dict(self, batches_done: int, at_boundary: bool) -> dict[str, Any]:
-        """Position of every tracked loader: ``batches_done`` of the current epoch are trained."""
+    def state_dict(self, batches_done: int, at_boundary: bool, prefetched: int = 0) -> dict[str, Any]:
+        """Position of every tracked loader.
+
+        ``batches_done``: batches of the current epoch already trained on; ``prefetched``:
+        batches the training loop has fetched but not trained on yet. A loader that was
+        re-iterated inside the epoch (a shorter loader cycled by Lightning's CombinedLoader)
+        counts from its latest ``iter()``.
+        """
         loaders = {}
         for index, loader in self._loaders.items():
             stateful = is_stateful_loader(loader)
-            entry: dict[str, Any] = {"stateful": stateful, "batches_done": batches_done,
+            yielded = getattr(self._iters.get(index), "_num_yielded", None)
+            done = yielded - prefetched if isinstance(yielded, int) else batches_done
+            entry: dict[str, Any] = {"stateful": stateful, "batches_done": done,
                                      "batch_size": getattr(loader, "batch_size", None)}
             if not at_boundary and not stateful:
-                if index not in self._iter_rng:
-                    raise RuntimeError("internal: train loader position requested before its iterator was created")
+                if index not in self._iter_rng or index not in self._first_rng:
+                    raise RuntimeError("internal: train loader position requested before its first batch")
                 entry["iter_rng"] = self._iter_rng[index]
+                entry["first_rng"] = self._first_rng[index]
             gen = _sampler_generator(loader)
             if at_boundary and stateful and gen is not None:
                 entry["sampler_generator"] = gen.get_state()
@@ -131,7 +195,8 @@ class LoaderTracker:
                 self._pending[int(key)] = {**common, "rng": checkpoint_rng, "skip": 0,
                                            "sampler_generator": entry.get("sampler_generator")}
             elif not entry["stateful"]:
-                self._pending[int(key)] = {**common, "rng": entry["iter_rng"], "skip": int(entry["batches_done"])}
+                self._pending[int(key)] = {**common, "rng": entry["iter_rng"], "first_rng": entry["first_rng"],
+                                           "skip": int(entry["batches_done"])}
             else:
                 # The loader's own state, as Lightning saved it. Lightning restores it too, except
                 # when configure_optimizers built the loader early (estimated_stepping_batches,
@@ -164,18 +229,13 @@ class LoaderTracker:
             if gen_state is not None and gen is not None:
                 gen.set_state(gen_state.to(torch.uint8))
         self._iter_rng[index] = torch.get_rng_state()
-        iterator = make_iter()
+        self._first_rng.pop(index, None)
+        replay = pending is not None and pending.get("first_rng") is not None
+        iterator = _TrackedIterator(make_iter(), self, index, skip=pending["skip"] if replay else 0,
+                                    first_rng=pending["first_rng"] if replay else None)
+        self._iters[index] = iterator
         if pending is not None:
             skip = pending["skip"]
-            for done in range(skip):
-                try:
-                    next(iterator)
-                except StopIteration:
-                    raise RuntimeError(
-                        f"resume: the train dataloader ended after {done} batches, but the checkpoint was taken "
-                        f"after {skip} batches of this epoch; the dataset or batch size changed since the "
-                        "checkpoint was written. Restore them, or delete recover_info/ to start fresh."
-                    ) from None
             if skip:
                 what = f"skipped {skip} trained batches"
             elif pending.get("loader_state") is not None:

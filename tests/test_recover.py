@@ -1,0 +1,382 @@
+"""RecoverCallback in-process: corruption, mismatches, hooks, loaders, and the Lightning internals it relies on.
+
+Crashes here are exceptions raised from a callback (fast); the SIGKILL matrix is in
+``test_recover_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
+
+from areal_lightning import (
+    CheckpointCorruptError,
+    ConfigError,
+    DCPCheckpointIO,
+    HFSaverCallback,
+    RecoverCallback,
+    StepInfo,
+    callbacks_from_config,
+)
+from areal_lightning.recover_store import INFO_FILES, RecoverMismatchError
+from tests.conftest import LMModule, tiny_llama, token_loader
+
+
+class Data(Dataset):
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class Net(pl.LightningModule):
+    def __init__(self, use_estimated: bool = False, **hparams: Any) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+        self.use_estimated = use_estimated
+        self.losses: dict[int, str] = {}
+        self.resumed_with: list[StepInfo] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses[self.trainer.global_step + 1] = loss.item().hex()
+        return loss
+
+    def configure_optimizers(self):
+        if self.use_estimated:
+            assert self.trainer.estimated_stepping_batches > 0  # Lightning issue #20550
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_resume(self, trainer, step_info) -> None:
+        self.resumed_with.append(step_info)
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")
+
+
+def recover(root: Path, **kwargs: Any) -> RecoverCallback:
+    kwargs.setdefault("freq_steps", 4)
+    return RecoverCallback(fileroot=root, experiment_name="e", trial_name="t", user="u", **kwargs)
+
+
+def trainer(callbacks: list, **kwargs: Any) -> pl.Trainer:
+    opts: dict[str, Any] = dict(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False)
+    opts.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **opts)
+
+
+def plain_loader(**kwargs: Any) -> DataLoader:
+    return DataLoader(Data(), batch_size=4, shuffle=True, **kwargs)
+
+
+def run(root: Path, crash_at: int | None = None, loader_fn=plain_loader, module_kwargs: dict | None = None,
+        cb_kwargs: dict | None = None, **trainer_kwargs: Any) -> Net:
+    pl.seed_everything(0, verbose=False)
+    module = Net(**(module_kwargs or {}))
+    callbacks: list = [recover(root, **(cb_kwargs or {}))]
+    if crash_at is not None:
+        callbacks.insert(0, CrashAt(crash_at))
+    t = trainer(callbacks, **trainer_kwargs)
+    if crash_at is None:
+        t.fit(module, loader_fn())
+    else:
+        with pytest.raises(Crash):
+            t.fit(module, loader_fn())
+    return module
+
+
+def interrupted_equals_uninterrupted(tmp_path: Path, crash_at: int, **kwargs: Any) -> Net:
+    want = run(tmp_path / "ref", **kwargs).losses
+    first = run(tmp_path / "run", crash_at=crash_at, **kwargs).losses
+    second = run(tmp_path / "run", **kwargs)
+    assert {**first, **second.losses} == want
+    for step, loss in second.losses.items():
+        assert first.get(step, loss) == loss  # recomputed steps are identical too
+    return second
+
+
+def trial(root: Path) -> Path:
+    return root / "checkpoints" / "u" / "e" / "t"
+
+
+# -- exactness variants ------------------------------------------------------------------
+
+
+def test_exception_crash_resumes_exactly_and_calls_hooks(tmp_path) -> None:
+    seen: list[tuple[int, int]] = []
+    resumed = interrupted_equals_uninterrupted(
+        tmp_path, crash_at=6, cb_kwargs={"on_resume": lambda tr, m, s: seen.append((s.global_step, s.weight_version))})
+    assert seen == [(3, 4)]  # the last checkpoint was after step 4 (0-based index 3)
+    assert resumed.resumed_with == [StepInfo(epoch=0, epoch_step=3, global_step=3, steps_per_epoch=10)]
+    assert resumed.resumed_with[0].next() == StepInfo(0, 4, 4, 10)
+
+
+def test_estimated_stepping_batches_with_a_stateful_loader(tmp_path) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    interrupted_equals_uninterrupted(tmp_path, crash_at=6, module_kwargs={"use_estimated": True},
+                                     loader_fn=lambda: StatefulDataLoader(Data(), batch_size=4, shuffle=True))
+
+
+def test_two_train_loaders(tmp_path) -> None:
+    class TwoLoaderNet(Net):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch["a"], batch_idx) + 0 * self.net(batch["b"][0]).sum()
+
+    def loaders():
+        return {"a": plain_loader(), "b": DataLoader(Data(24), batch_size=4, shuffle=True)}
+
+    want = None
+    for root, crash in (("ref", None), ("run", 7), ("run", None)):
+        pl.seed_everything(0, verbose=False)
+        module = TwoLoaderNet()
+        cbs: list = [recover(tmp_path / root)] + ([CrashAt(crash)] if crash else [])
+        t = trainer(cbs)
+        if crash:
+            with pytest.raises(Crash):
+                t.fit(module, loaders())
+            first = module.losses
+        else:
+            t.fit(module, loaders())
+            if root == "ref":
+                want = module.losses
+            else:
+                assert {**first, **module.losses} == want
+
+
+def test_gradient_accumulation_saves_only_after_optimizer_steps(tmp_path) -> None:
+    interrupted_equals_uninterrupted(tmp_path, crash_at=3, accumulate_grad_batches=2, cb_kwargs={"freq_steps": 2})
+
+
+def test_explicit_ckpt_path_wins_over_a_damaged_auto_checkpoint(tmp_path) -> None:
+    run(tmp_path, crash_at=9)
+    keep = tmp_path / "copy"
+    shutil.copytree(trial(tmp_path) / "default" / "recover_checkpoint", keep)
+    shard = next((trial(tmp_path) / "default" / "recover_checkpoint").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 0xFF]))
+    pl.seed_everything(0, verbose=False)
+    module = Net()
+    trainer([recover(tmp_path)]).fit(module, plain_loader(), ckpt_path=keep)
+    assert min(module.losses) == 9  # resumed after step 8 from the explicit copy
+
+
+# -- corruption and mismatches: clear errors, nothing touched --------------------------------
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(trial(root).rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def damage_shard(t: Path) -> Path:
+    shard = next((t / "default" / "recover_checkpoint").glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def truncate_shard(t: Path) -> Path:
+    shard = next((t / "default" / "recover_checkpoint").glob("__0_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    return shard
+
+
+def truncate_metadata(t: Path) -> Path:
+    meta = t / "default" / "recover_checkpoint" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:20])
+    return meta
+
+
+def delete_metadata(t: Path) -> Path:
+    meta = t / "default" / "recover_checkpoint" / ".metadata"
+    meta.unlink()
+    return meta
+
+
+def garbage_json(name: str):
+    def damage(t: Path) -> Path:
+        path = t / "recover_info" / name
+        path.write_text("{not json")
+        return path
+    return damage
+
+
+def missing_json(name: str):
+    def damage(t: Path) -> Path:
+        path = t / "recover_info" / name
+        path.unlink()
+        return path
+    return damage
+
+
+def other_step(t: Path) -> Path:
+    path = t / "recover_info" / "step_info.json"
+    data = json.loads(path.read_text())
+    data["global_step"] = 99
+    path.write_text(json.dumps(data))
+    return path
+
+
+DAMAGE = {
+    "flipped-byte-in-shard": (damage_shard, "CRC32"),
+    "truncated-shard": (truncate_shard, "truncated"),
+    "truncated-metadata": (truncate_metadata, "truncated"),
+    "missing-metadata": (delete_metadata, "missing"),
+    "garbage-checkpoint-info": (garbage_json("checkpoint_info.json"), "not valid JSON"),
+    "garbage-step-info": (garbage_json("step_info.json"), "not valid JSON"),
+    "missing-dataloader-info": (missing_json("dataloader_info.json"), "missing"),
+    "info-for-another-step": (other_step, "does not describe the checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_checkpoint_gives_a_clear_error_and_touches_nothing(tmp_path, case) -> None:
+    run(tmp_path, crash_at=6)
+    damage, words = DAMAGE[case]
+    bad_file = damage(trial(tmp_path))
+    before = snapshot(tmp_path)
+    module = Net()
+    with pytest.raises(CheckpointCorruptError) as info:
+        trainer([recover(tmp_path)]).fit(module, plain_loader())
+    assert str(bad_file) in str(info.value) and words in str(info.value)
+    assert "delete" in str(info.value).lower()  # says what to do
+    assert module.losses == {}  # never a silent fresh start
+    assert snapshot(tmp_path) == before
+
+
+def test_world_size_mismatch_is_explained(tmp_path) -> None:
+    run(tmp_path, crash_at=6)
+    path = trial(tmp_path) / "recover_info" / "checkpoint_info.json"
+    info = json.loads(path.read_text())
+    info["world_size"] = 2  # as written by a 2-process run
+    path.write_text(json.dumps(info))
+    with pytest.raises(RecoverMismatchError, match="world_size=2 but this run has world_size=1"):
+        trainer([recover(tmp_path)]).fit(Net(), plain_loader())
+
+
+def test_deleting_recover_info_starts_fresh(tmp_path) -> None:
+    run(tmp_path, crash_at=6)
+    shutil.rmtree(trial(tmp_path) / "recover_info")
+    module = run(tmp_path)
+    assert min(module.losses) == 1
+
+
+def test_recover_info_is_json_and_describes_the_checkpoint(tmp_path) -> None:
+    run(tmp_path, crash_at=6)
+    info_dir = trial(tmp_path) / "recover_info"
+    assert sorted(p.name for p in info_dir.iterdir()) == sorted(INFO_FILES)
+    info = {p.name: json.loads(p.read_text()) for p in info_dir.iterdir()}
+    assert info["step_info.json"]["global_step"] == 3 and info["step_info.json"]["next"]["global_step"] == 4
+    ckpt = info["checkpoint_info.json"]
+    assert ckpt["global_step"] == 4 and ckpt["world_size"] == 1 and ckpt["strategy"] == "SingleDeviceStrategy"
+    assert set(ckpt["versions"]) == {"torch", "lightning", "transformers", "areal_lightning"}
+    files = {p.name for p in (trial(tmp_path) / "default" / "recover_checkpoint").iterdir()}
+    assert set(ckpt["files"]) == files and ".metadata" in files
+    assert info["dataloader_info.json"]["batches_done"] == 4
+    assert info["dataloader_info.json"]["loaders"][0]["class"] == "DataLoader"
+
+
+# -- modes, validation, wiring ----------------------------------------------------------------
+
+
+def test_mode_off_neither_saves_nor_resumes(tmp_path) -> None:
+    run(tmp_path, crash_at=6)
+    before = snapshot(tmp_path)
+    module = run(tmp_path, cb_kwargs={"mode": "off"})
+    assert min(module.losses) == 1
+    assert snapshot(tmp_path) == before
+
+
+def test_bad_arguments_name_the_field(tmp_path) -> None:
+    for kwargs, field in ((dict(mode="maybe"), "recover.mode"), (dict(freq_steps=0), "recover.freq_steps"),
+                          (dict(retries=-1), "recover.retries"), (dict(io_mode="fast"), "io_mode"),
+                          (dict(name="recover_info"), "name"), (dict(on_resume=3), "on_resume")):
+        with pytest.raises(ConfigError) as info:
+            recover(tmp_path, **kwargs)
+        assert info.value.field == field
+
+
+def test_a_second_run_on_the_same_trial_is_refused(tmp_path) -> None:
+    class SecondRun(Callback):
+        def on_train_batch_end(self, trainer_, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer_.global_step == 1:
+                trainer([recover(tmp_path)]).fit(Net(), plain_loader())
+
+    with pytest.raises(RuntimeError, match="being trained by another process"):
+        trainer([recover(tmp_path), SecondRun()]).fit(Net(), plain_loader())
+
+
+def test_user_checkpoint_io_other_than_dcp_is_refused(tmp_path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    with pytest.raises(TypeError, match="DCPCheckpointIO"):
+        trainer([recover(tmp_path)], plugins=[AsyncCheckpointIO()]).fit(Net(), plain_loader())
+
+
+def test_both_callbacks_together_async(tmp_path, tokenizer) -> None:
+    """HF exports and recover checkpoints share the model folder; neither cleans up the other."""
+    cfg = {"fileroot": str(tmp_path), "experiment_name": "e", "trial_name": "t", "user": "u",
+           "saver": {"freq_steps": 1, "mode": "async"}, "recover": {"mode": "on", "freq_steps": 1}}
+    cbs = callbacks_from_config(cfg)
+    assert [type(c).__name__ for c in cbs] == ["HFSaverCallback", "RecoverCallback"]
+    trainer(cbs, max_epochs=1, plugins=[DCPCheckpointIO("async")]).fit(
+        LMModule(tiny_llama(), tokenizer=tokenizer), token_loader(n_batches=4))
+    names = sorted(p.name for p in (trial(tmp_path) / "default").iterdir())
+    assert names == ["epoch0epochstep0globalstep0", "epoch0epochstep1globalstep1", "epoch0epochstep2globalstep2",
+                     "epoch0epochstep3globalstep3", "recover_checkpoint"]
+    saver_info = json.loads((trial(tmp_path) / "recover_info" / "saver_info.json").read_text())
+    assert saver_info[cbs[0].state_key]["freq"]["last_fired_step"] == 4
+
+
+def test_lightning_internals_auto_resume_relies_on(tmp_path) -> None:
+    """Pins Lightning 2.6: the checkpoint path is resolved before callback hooks, and passes
+    through ``_checkpoint_connector.resume_start`` right after ``setup`` (our hook); the train
+    loaders come from ``fit_loop._data_source.dataloader``. The OnExceptionCheckpoint route
+    (Lightning issue #19827: ckpt_path=None becomes "last") is not used."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    assert list(inspect.signature(_CheckpointConnector.resume_start).parameters)[:3] == [
+        "self", "checkpoint_path", "weights_only"]
+    src = inspect.getsource(_CheckpointConnector._restore_modules_and_callbacks)
+    assert "self.resume_start(checkpoint_path" in src
+    t = trainer([])
+    assert callable(t.fit_loop._data_source.dataloader)
+    # With OnExceptionCheckpoint present Lightning turns ckpt_path=None into "last" (the bug).
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    oe = OnExceptionCheckpoint(dirpath=tmp_path, filename="oe")
+    t2 = trainer([oe], enable_checkpointing=True)  # a Checkpoint: refused with enable_checkpointing=False
+    t2.state.fn = TrainerFn.FITTING
+    with pytest.warns(UserWarning, match="no last checkpoint available"):
+        assert t2._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) is None
