@@ -152,11 +152,12 @@ class RecoverStore:
                     if child.name.startswith(prefixes):
                         shutil.rmtree(child, ignore_errors=True)
 
-    def commit(self, gen: str, info: dict[str, dict[str, Any]]) -> None:
+    def commit(self, gen: str, info: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
         """Publish the committed DCP directory of save ``gen`` with its ``recover_info``.
 
         ``info`` maps each of :data:`INFO_FILES` to its content; the file list with sizes
         and checksums and the commit time are added to ``checkpoint_info.json`` here.
+        Returns that file list.
         """
         tmp_ckpt = self.tmp_ckpt_dir(gen)
         if not (tmp_ckpt / COMMIT_MARKER).is_file():
@@ -179,6 +180,7 @@ class RecoverStore:
         fsync_dir(tmp_info)
         fault_point("recover.swap.begin")
         self._finish_swap(gen)
+        return checkpoint_info["files"]
 
     def _finish_swap(self, gen: str) -> None:
         """Idempotently move the new pair of ``gen`` into place (also used by :meth:`repair`).

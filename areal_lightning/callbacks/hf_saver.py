@@ -18,6 +18,7 @@ from areal_lightning.engine import BackgroundWorker
 from areal_lightning.freq import FreqController
 from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
 from areal_lightning.layout import TrialLayout
+from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 
 __all__ = ["HFSaverCallback"]
 
@@ -102,6 +103,7 @@ class HFSaverCallback(Callback):
         self.resolved_mode: str | None = None
         self._worker: BackgroundWorker | None = None
         self._last_seen_step = -1
+        self.telemetry = Telemetry()
 
     # -- construction from config ---------------------------------------------------------
 
@@ -193,6 +195,7 @@ class HFSaverCallback(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Wait for the export in flight; raise its failure (never swallowed)."""
         self._close_worker(raise_failure=True)
+        self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """Let the export in flight finish (or fail, logged) while the original error propagates."""
@@ -223,10 +226,12 @@ class HFSaverCallback(Callback):
         self._last_seen_step = trainer.global_step
         if self._agree(trainer, self.freq.check_step(trainer.global_step)):
             self.save(trainer, pl_module)
+        self.telemetry.flush(trainer)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.freq.check_epoch(trainer.current_epoch + 1, trainer.global_step):
             self.save(trainer, pl_module)
+        self.telemetry.flush(trainer)
 
     def _agree(self, trainer: "pl.Trainer", decision: bool) -> bool:
         """Seconds triggers differ per rank: take rank 0's decision (one small broadcast)."""
@@ -254,25 +259,27 @@ class HFSaverCallback(Callback):
                 self._worker = BackgroundWorker(name=f"areal-hf-{self.name}")
         model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
         if self._worker is None:
-            self._write(model, tokenizer, final, None, None, start)
+            self._write(model, tokenizer, final, None, None, start, steps)
         else:
             # Held only for the host copy; everything after it runs in the background.
             staged = self._worker.stage_to_host(model.state_dict())
             tmp = prepare_tmp(final)
             blocked = time.perf_counter() - start
-            self._worker.submit(lambda: self._write(model, tokenizer, final, staged, tmp, start, blocked), label=str(final))
+            self._worker.submit(lambda: self._write(model, tokenizer, final, staged, tmp, start, steps, blocked),
+                                label=str(final))
         self.last_export = final
         return final
 
     def _write(
         self, model: Any, tokenizer: Any, final: Path, staged: dict | None, tmp: Path | None, start: float,
-        blocked: float | None = None,
+        step: int, blocked: float | None = None,
     ) -> None:
         export_hf(model, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size, tmp_dir=tmp)
+        total = time.perf_counter() - start
+        self.telemetry.record(SaveReport("hf", step, str(final), total if blocked is None else blocked, total,
+                                         folder_bytes(final)))
         self._prune()
         clean_stale_tmp(self.model_dir)
-        total = time.perf_counter() - start
-        log.info("HF export %s durable after %.2fs (training held %.3fs)", final, total, total if blocked is None else blocked)
 
     def _prune(self) -> None:
         if self.config.max_keep is None:

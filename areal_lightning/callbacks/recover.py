@@ -25,6 +25,7 @@ from areal_lightning.layout import TrialLayout
 from areal_lightning.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore, TrialLock
 from areal_lightning.state.data import LoaderTracker, is_stateful_loader
 from areal_lightning.state.rng import capture_rng, restore_rng
+from areal_lightning.telemetry import SaveReport, Telemetry
 
 __all__ = ["RecoverCallback", "StepInfo"]
 
@@ -62,6 +63,15 @@ class _ResumePlan:
     info: dict[str, dict[str, Any]]
     verified_bytes: int
     verify_s: float
+
+
+def _parse_time(value: Any) -> float | None:
+    import datetime as _dt
+
+    try:
+        return _dt.datetime.fromisoformat(value).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 def _versions() -> dict[str, str]:
@@ -151,6 +161,9 @@ class RecoverCallback(Callback):
         self._io: DCPCheckpointIO | None = None
         self._lock: TrialLock | None = None
         self._last_seen_step = -1
+        self.telemetry = Telemetry()
+        self._last_durable: float | None = None  # wall clock of the last durable recover checkpoint
+        self._held: dict[str, float] = {}
         self._trainer_ref: "pl.Trainer | None" = None
         self._patched: list[tuple[Any, str]] = []
 
@@ -232,6 +245,7 @@ class RecoverCallback(Callback):
                 return original_resume(None, weights_only)
             self._continue_logger_versions(trainer, self._plan.info["stats_logger_info.json"])
             self._resuming = True
+            self._last_durable = _parse_time(self._plan.info["checkpoint_info.json"].get("commit_time"))
             # Our own checkpoint from the trial's folder: its non-tensor state (e.g. the module's
             # hyper-parameters) may hold arbitrary Python objects (see the README's security note).
             original_resume(str(self._plan.path), False)
@@ -323,8 +337,10 @@ class RecoverCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         """An async save may still copy the weights: wait before the optimizer changes them."""
-        if self._io is not None:
+        if self._io is not None and self._io.engine.in_flight is not None:
+            start = time.perf_counter()
             self._io.engine.wait_for_staging()
+            self._held["staging_wait"] = self._held.get("staging_wait", 0.0) + time.perf_counter() - start
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -337,10 +353,18 @@ class RecoverCallback(Callback):
             decision = bool(trainer.strategy.broadcast(decision, src=0))
         if decision:
             self.save(trainer)
+        self._log_telemetry(trainer, pl_module)
+
+    def _log_telemetry(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.telemetry.flush(trainer)
+        if self._last_durable is not None and trainer.loggers:
+            pl_module.log("checkpoint/recover/age_s", time.time() - self._last_durable, on_step=True,
+                          on_epoch=False, rank_zero_only=True)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.enabled and self.freq.check_epoch(trainer.current_epoch + 1, trainer.global_step):
             self.save(trainer)
+        self.telemetry.flush(trainer)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A run that finished keeps a checkpoint of its end, so re-running it does nothing."""
@@ -348,6 +372,7 @@ class RecoverCallback(Callback):
             self.save(trainer)
         if self._io is not None:
             self._io.engine.wait()
+        self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """Let the save in flight finish (its failure is logged, not raised over the original error)."""
@@ -398,11 +423,17 @@ class RecoverCallback(Callback):
             self.store.clean_stale()
             gen = self.store.new_generation(steps)
             asynchronous = self._io.resolved_mode == "async"
-            engine.save(checkpoint, self.store.tmp_ckpt_dir(gen), asynchronous=asynchronous,
-                        on_commit=lambda: self.store.commit(gen, info))
-            log.info("RecoverCallback: %s recover checkpoint after step %d (%s, training held %.3fs)",
-                     "writing" if asynchronous else "wrote", steps, "async" if asynchronous else "sync",
-                     time.perf_counter() - start)
+            held = self._held = {"call": 0.0}
+
+            def commit() -> None:
+                files = self.store.commit(gen, info)
+                self._last_durable = time.time()
+                self.telemetry.record(SaveReport(
+                    "recover", steps, str(self.store.ckpt_dir), held["call"] + held.get("staging_wait", 0.0),
+                    time.perf_counter() - start, sum(f["size"] for f in files.values())))
+
+            engine.save(checkpoint, self.store.tmp_ckpt_dir(gen), asynchronous=asynchronous, on_commit=commit)
+            held["call"] = time.perf_counter() - start
 
     def _build_info(self, trainer: "pl.Trainer", checkpoint: dict[str, Any], boundary: bool) -> dict[str, dict]:
         from areal_lightning.callbacks.hf_saver import HFSaverCallback
