@@ -78,6 +78,7 @@ import os
 import pickle
 import shutil
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -112,12 +113,20 @@ _SKELETON_KEY = "__areal_lightning_skeleton__"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
+# Async saves in flight in this process, by resolved path: a load of that path from another
+# engine (e.g. a new Trainer's DCPCheckpointIO) waits for it instead of finding no marker.
+_IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]"
+
+
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint directory is incomplete, unreadable or not in this engine's format."""
 
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint save (or background job) failed; the message names its path."""
+
+
+_IN_FLIGHT = weakref.WeakValueDictionary()
 
 
 # --------------------------------------------------------------------------------------
@@ -560,6 +569,7 @@ class DCPEngine:
             self._worker._track(str(path), response.upload_completion, response.staging_completion)
         else:  # the stager copied synchronously
             self._worker._track(str(path), response, None)
+        _IN_FLIGHT[str(path.resolve())] = self._worker
 
     def wait_for_staging(self) -> None:
         """Return once the in-flight async save no longer reads the live tensors."""
@@ -587,6 +597,9 @@ class DCPEngine:
         place; all other tensors are allocated on CPU from the saved metadata.
         ``weights_only`` is applied to the skeleton as ``torch.load`` would."""
         self._worker.join()
+        owner = _IN_FLIGHT.get(str(Path(path).resolve()))
+        if owner is not None and owner.in_flight is not None:
+            owner.join()  # another engine of this process is still writing it
         path = check_complete(path)
         try:
             metadata = FileSystemReader(path).read_metadata()

@@ -182,3 +182,4 @@ def test_argument_validation() -> None:
         io.save_checkpoint({}, "unused", storage_options={"x": 1})
     with pytest.raises(TypeError, match="map_location"):
         io.load_checkpoint("unused", map_location=lambda storage, loc: storage)
+

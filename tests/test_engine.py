@@ -346,3 +346,19 @@ def test_cuda_pinned_staging_and_async_round_trip(tmp_path: Path) -> None:
     eng.wait()
     assert torch.equal(eng.load(tmp_path / "ckpt")["w"], expected)
     eng.close()
+
+
+def test_another_engine_loading_an_in_flight_path_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E.g. `trainer.save_checkpoint` (async) then a new Trainer's `fit(ckpt_path=...)` in the same process."""
+    gate = _gate_commit(monkeypatch)
+    writer, reader = DCPEngine(), DCPEngine()
+    writer.save({"w": torch.arange(8.0)}, tmp_path / "a", asynchronous=True)
+    result: dict = {}
+    loader = threading.Thread(target=lambda: result.update(reader.load(tmp_path / "a")))
+    loader.start()
+    time.sleep(0.3)
+    assert loader.is_alive(), "the load did not wait for the save in flight"
+    gate.set()
+    loader.join(30)
+    assert torch.equal(result["w"], torch.arange(8.0))
+    writer.close()
