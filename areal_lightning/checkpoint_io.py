@@ -72,6 +72,10 @@ class DCPCheckpointIO(CheckpointIO):
             (``dcp.async_save`` with one long-lived stager; one save in flight), or
             ``"auto"`` (async where supported, else sync with one warning).
         thread_count: writer threads; each writes its own ``__0_{i}.distcp`` file.
+
+    Example:
+        >>> trainer = Trainer(plugins=[DCPCheckpointIO("async")], callbacks=[StagingWaitCallback()])  # doctest: +SKIP
+        >>> trainer.save_checkpoint("ckpt/step100")  # a DCP directory  # doctest: +SKIP
     """
 
     def __init__(self, mode: str = "auto", *, thread_count: int = 2) -> None:
@@ -164,7 +168,11 @@ def _find_io(trainer: Trainer) -> DCPCheckpointIO | None:
 class StagingWaitCallback(Callback):
     """Makes the training loop wait for async staging right before the next optimizer step
     (or, with ``before_forward=True``, before the next batch), so that
-    :class:`DCPCheckpointIO` saves return without waiting for the host copy."""
+    :class:`DCPCheckpointIO` saves return without waiting for the host copy.
+
+    Example:
+        >>> Trainer(plugins=[DCPCheckpointIO("async")], callbacks=[StagingWaitCallback()])  # doctest: +SKIP
+    """
 
     def __init__(self, *, before_forward: bool = False) -> None:
         self.before_forward = before_forward

@@ -2,6 +2,9 @@
 
 - ``areal-lightning demo [--config FILE] [key=value ...]``: the demo training job.
 - ``areal-lightning run [--retries N] [--config FILE] -- <command ...>``: re-run a failing command.
+- ``areal-lightning inspect PATH [--verify] [--json] [--user U --experiment E --trial T]``: a
+  read-only report of the exports and the recover checkpoint of trials (exit 0 valid, 1 invalid,
+  2 usage error).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ def _run(args: argparse.Namespace) -> int:
     return run_with_retries(command, retries)
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from areal_lightning.inspect import run_inspect
+
+    return run_inspect(args.path, verify=args.verify, as_json=args.json, user=args.user,
+                       experiment=args.experiment, trial=args.trial)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="areal-lightning", description=__doc__)
@@ -64,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", default=None, help="experiment YAML whose recover.retries is the default")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     run.set_defaults(func=_run)
+    insp = sub.add_parser(
+        "inspect", help="report the HF exports and recover checkpoint of trials (read-only)",
+        description="Report every HF export (complete?), the recover checkpoint and recover_info/ of each trial "
+                    "below PATH. Exit code 0: all valid; 1: something is invalid or corrupt; 2: usage error.")
+    insp.add_argument("path", help="a fileroot (holding checkpoints/) or a trial folder "
+                                   "{fileroot}/checkpoints/{user}/{experiment}/{trial}")
+    insp.add_argument("--verify", action="store_true",
+                      help="check size and CRC32 of every recover checkpoint file (reads the whole checkpoint)")
+    insp.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    insp.add_argument("--user", default=None, help="only trials of this user")
+    insp.add_argument("--experiment", default=None, help="only trials of this experiment")
+    insp.add_argument("--trial", default=None, help="only trials with this name")
+    insp.set_defaults(func=_inspect)
     return parser
 
 

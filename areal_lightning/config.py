@@ -108,6 +108,10 @@ class SaverConfig:
         freq_steps: export after every N-th optimizer step (global step multiple of N).
         freq_secs: export when N seconds (monotonic clock) have passed since the last export.
         max_keep: keep only the newest N exports; ``None`` keeps all.
+
+    Example:
+        >>> SaverConfig(freq_steps=100, max_keep=3).validate().mode
+        'auto'
     """
 
     mode: str = "auto"
@@ -139,6 +143,10 @@ class RecoverConfig:
         freq_steps: checkpoint after every N-th optimizer step.
         freq_secs: checkpoint when N seconds have passed since the last one.
         retries: how many times ``areal-lightning run`` re-runs a failed command (>= 0).
+
+    Example:
+        >>> RecoverConfig(mode=True, freq_steps=100).validate().mode  # YAML `on`
+        'on'
     """
 
     mode: str = "disabled"
@@ -169,6 +177,12 @@ class ExperimentConfig:
 
     Files land under ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/``.
     ``user=None`` means the OS user (``getpass.getuser()``).
+
+    Example:
+        >>> cfg = ExperimentConfig(fileroot="/data/ckpt", experiment_name="exp", trial_name="t0",
+        ...                        saver=SaverConfig(freq_epochs=1)).validate()
+        >>> cfg.recover.enabled
+        False
     """
 
     fileroot: str = "/tmp/areal_lightning"
@@ -327,6 +341,11 @@ def load_config(
 
     Raises:
         ConfigError: naming the offending field and the allowed values.
+
+    Example:
+        >>> load_config({"fileroot": "/tmp/x", "experiment_name": "e", "trial_name": "t"},
+        ...             overrides=["recover.mode=on"]).recover.mode
+        'on'
     """
     data = _apply_overrides(_to_container(source), overrides)
     cfg = build_dataclass(schema, data, strict=strict)

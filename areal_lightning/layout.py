@@ -77,7 +77,12 @@ def is_export_tmp_name(name: str) -> bool:
 
 @dataclass(frozen=True)
 class TrialLayout:
-    """Paths of one trial: ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``."""
+    """Paths of one trial: ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``.
+
+    Example:
+        >>> TrialLayout(Path("/r"), "u", "exp", "t").export_dir("default", 0, 99, 99).name
+        'epoch0epochstep99globalstep99'
+    """
 
     fileroot: Path
     user: str

@@ -29,3 +29,20 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch, capsys) -> None:
     assert "resumed after step 3" in out  # the crash-and-resume block resumed after its 4th step
     assert (tmp_path / "dcp" / "epoch1" / ".metadata").exists()
     assert os.path.isdir(tmp_path / "ckpt" / "checkpoints" / "alice" / "quickstart" / "run1" / "default")
+
+
+def test_docstring_examples_run() -> None:
+    """The examples in the public docstrings are doctests."""
+    import doctest
+
+    import areal_lightning.callbacks as callbacks
+    import areal_lightning.callbacks.hf_saver as hf_saver
+    import areal_lightning.callbacks.recover as recover
+    import areal_lightning.config as config
+    import areal_lightning.freq as freq
+    import areal_lightning.layout as layout
+
+    for module in (config, freq, layout, callbacks, hf_saver, recover):
+        failed, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert failed == 0, module.__name__
+        assert attempted > 0, module.__name__

@@ -39,6 +39,9 @@ def losses_by_step(path: Path) -> dict[int, set[str]]:
 _REFERENCE: dict[tuple[str, ...], dict[int, set[str]]] = {}
 
 
+_REFERENCE_ROOT: dict[tuple[str, ...], Path] = {}
+
+
 def reference(tmp_path_factory, args: tuple[str, ...]) -> dict[int, set[str]]:
     """The uninterrupted run's losses (computed once per configuration)."""
     key = tuple(a for a in args if not a.startswith("--io-mode") and a not in ("sync", "async"))
@@ -47,7 +50,16 @@ def reference(tmp_path_factory, args: tuple[str, ...]) -> dict[int, set[str]]:
         proc = train(root, root / "losses.jsonl", *args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         _REFERENCE[key] = losses_by_step(root / "losses.jsonl")
+        _REFERENCE_ROOT[key] = root
     return _REFERENCE[key]
+
+
+def logged_losses(root: Path) -> dict[int, str]:
+    """train_loss per step as the CSVLogger wrote it."""
+    import csv
+
+    rows = csv.DictReader(open(root / "logs" / "run" / "version_0" / "metrics.csv"))
+    return {int(r["step"]): r["train_loss"] for r in rows if r.get("train_loss")}
 
 
 def assert_exact(got: dict[int, set[str]], want: dict[int, set[str]]) -> None:
@@ -87,8 +99,11 @@ def test_sigkill_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factor
     assert any(len(v) == 1 for v in got.values())
     info = tmp_path / "checkpoints" / "u" / "exp" / "t" / "recover_info"
     assert json.loads((info / "step_info.json").read_text())["global_step"] == max(want) - 1
-    # The logger continued its version instead of starting a new one.
+    # The logger continued its version instead of starting a new one, and the rows the
+    # interrupted run had flushed are kept: the CSV equals the uninterrupted run's.
     assert [p.name for p in (tmp_path / "logs" / "run").iterdir()] == ["version_0"]
+    key = tuple(a for a in args if not a.startswith("--io-mode") and a not in ("sync", "async"))
+    assert logged_losses(tmp_path) == logged_losses(_REFERENCE_ROOT[key])
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -136,3 +151,22 @@ def test_retries_supervisor_resumes_a_crashing_training_run(tmp_path, tmp_path_f
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "attempt 3/3 succeeded" in proc.stderr
     assert_exact(losses_by_step(losses), want)
+
+
+def test_ddp_two_ranks_sigkill_all_then_resume_bit_for_bit_on_every_rank(tmp_path, tmp_path_factory) -> None:
+    """strategy="ddp", 2 CPU ranks (gloo), each rank seeded differently, plain shuffled
+    DataLoader (Lightning injects a DistributedSampler): both ranks killed, then resumed."""
+    args = ("--devices", "2", "--rank-seed", "--freq-steps", "2", "--logger", "none")
+    ref = tmp_path_factory.mktemp("ddp_reference")
+    assert train(ref, ref / "losses.jsonl", *args).returncode == 0
+    losses = tmp_path / "losses.jsonl"
+    killed = train(tmp_path, losses, *args, "--kill-at-step", "9")
+    assert killed.returncode == -9
+    resumed = train(tmp_path, losses, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("RecoverCallback: resumed from") == 2  # one line per rank
+    for rank in (0, 1):
+        want = losses_by_step(Path(f"{ref / 'losses.jsonl'}.rank{rank}"))
+        assert_exact(losses_by_step(Path(f"{losses}.rank{rank}")), want)
+    rank0, rank1 = (losses_by_step(Path(f"{ref / 'losses.jsonl'}.rank{r}")) for r in (0, 1))
+    assert rank0[1] != rank1[1]  # the ranks really differ (own data shard, own seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import shutil
@@ -34,7 +35,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepInfo:
-    """Where a checkpoint was taken: 0-based indices of the last completed optimizer step."""
+    """Where a checkpoint was taken: 0-based indices of the last completed optimizer step.
+
+    Example:
+        >>> StepInfo(epoch=0, epoch_step=99, global_step=99, steps_per_epoch=100).next()
+        StepInfo(epoch=1, epoch_step=0, global_step=100, steps_per_epoch=100)
+    """
 
     epoch: int
     epoch_step: int
@@ -63,6 +69,32 @@ class _ResumePlan:
     info: dict[str, dict[str, Any]]
     verified_bytes: int
     verify_s: float
+
+
+def _keep_csv_rows(logger: Any, steps_done: int) -> None:
+    """A CSVLogger's writer deletes ``metrics.csv`` when it opens a version folder: keep the
+    rows the interrupted run flushed up to the checkpoint (later steps are trained again)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    if not isinstance(logger, CSVLogger):
+        return
+    path = Path(logger.log_dir) / "metrics.csv"
+    if not path.is_file():
+        return
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        keys = list(reader.fieldnames or [])
+        rows = []
+        for row in reader:
+            try:
+                if int(float(row.get("step") or 0)) >= steps_done:
+                    continue
+            except ValueError:
+                pass
+            rows.append({k: v for k, v in row.items() if v not in ("", None)})  # the text as written
+    writer = logger.experiment  # creating it removes the file; its rows are written back on save
+    writer.metrics = rows + writer.metrics
+    writer.metrics_keys = keys + [k for k in writer.metrics_keys if k not in keys]
 
 
 def _parse_time(value: Any) -> float | None:
@@ -157,6 +189,7 @@ class RecoverCallback(Callback):
         self._pending_rng: dict[str, Any] | None = None
         self._boundary_rng_applied = False
         self._epoch_start_step = 0
+        self._epoch_index = 0
         self._saving_at_boundary: bool | None = None
         self._io: DCPCheckpointIO | None = None
         self._lock: TrialLock | None = None
@@ -240,10 +273,11 @@ class RecoverCallback(Callback):
             if checkpoint_path is not None:
                 log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
                 return original_resume(checkpoint_path, weights_only)
-            self._plan = self._plan_resume(trainer)
+            self._plan = self._agreed_plan(trainer)
             if self._plan is None:
                 return original_resume(None, weights_only)
-            self._continue_logger_versions(trainer, self._plan.info["stats_logger_info.json"])
+            self._continue_logger_versions(trainer, self._plan.info["stats_logger_info.json"],
+                                           self._plan.info["checkpoint_info.json"]["global_step"])
             self._resuming = True
             self._last_durable = _parse_time(self._plan.info["checkpoint_info.json"].get("commit_time"))
             # Our own checkpoint from the trial's folder: its non-tensor state (e.g. the module's
@@ -278,6 +312,21 @@ class RecoverCallback(Callback):
             self._lock.release()
             self._lock = None
 
+    def _agreed_plan(self, trainer: "pl.Trainer") -> _ResumePlan | None:
+        """Rank 0 repairs, validates and decides; every rank gets the same plan (or error)."""
+        if trainer.world_size == 1:
+            return self._plan_resume(trainer)
+        outcome: tuple[str, Any] | None = None
+        if trainer.is_global_zero:
+            try:
+                outcome = ("ok", self._plan_resume(trainer))
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                outcome = ("error", exc)
+        outcome = trainer.strategy.broadcast(outcome, src=0)
+        if outcome[0] == "error":
+            raise outcome[1]
+        return outcome[1]
+
     def _plan_resume(self, trainer: "pl.Trainer") -> _ResumePlan | None:
         self.store.repair()
         if not self.store.exists():
@@ -304,7 +353,7 @@ class RecoverCallback(Callback):
         return _ResumePlan(self.store.ckpt_dir, info, nbytes, time.perf_counter() - start)
 
     @staticmethod
-    def _continue_logger_versions(trainer: "pl.Trainer", saved: dict[str, Any]) -> None:
+    def _continue_logger_versions(trainer: "pl.Trainer", saved: dict[str, Any], steps_done: int) -> None:
         """Point each logger back at the version the checkpointed run logged into.
 
         Lightning creates the loggers' experiments (and a new ``version_N`` folder) before
@@ -328,12 +377,14 @@ class RecoverCallback(Callback):
             logger._version = entry["version"]
             if new_dir.is_dir():
                 shutil.rmtree(new_dir, ignore_errors=True)
+            _keep_csv_rows(logger, steps_done)
             log.info("RecoverCallback: %s continues logging into version %s", type(logger).__name__, entry["version"])
 
     # -- triggers ----------------------------------------------------------------------------
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._epoch_start_step = trainer.global_step
+        self._epoch_index = trainer.current_epoch
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         """An async save may still copy the weights: wait before the optimizer changes them."""
@@ -398,9 +449,8 @@ class RecoverCallback(Callback):
         steps = trainer.global_step
         n = trainer.num_training_batches
         per_epoch = math.ceil(n / trainer.accumulate_grad_batches) if n != float("inf") else None
-        epoch = trainer.current_epoch
-        if trainer.fit_loop.epoch_progress.current.processed == epoch and epoch > 0 and self._at_boundary(trainer):
-            epoch -= 1  # after the last epoch (on_train_end): the counter already moved on
+        # The epoch of the last step (after the last epoch Lightning's counter has moved on).
+        epoch = self._epoch_index
         return StepInfo(epoch=epoch, epoch_step=max(steps - self._epoch_start_step - 1, 0),
                         global_step=steps - 1, steps_per_epoch=per_epoch)
 
@@ -483,7 +533,8 @@ class RecoverCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Trigger progress, RNG states and the train loaders' position (no pickled objects)."""
-        state: dict[str, Any] = {"freq": self.freq.state_dict(), "epoch_start_step": self._epoch_start_step}
+        state: dict[str, Any] = {"freq": self.freq.state_dict(), "epoch_start_step": self._epoch_start_step,
+                                 "epoch_index": self._epoch_index}
         boundary = self._saving_at_boundary
         if boundary is not None:  # only our own saves carry RNG and data position
             trainer = self._trainer_ref
@@ -491,30 +542,43 @@ class RecoverCallback(Callback):
             fetcher = trainer.fit_loop._data_fetcher
             prefetched = len(getattr(fetcher, "batches", ()))
             state["data"] = self.tracker.state_dict(self._batches_done(trainer), boundary, prefetched)
+            if not boundary:
+                # Each stateful loader's own state, as Lightning saves it (CombinedLoader._state_dicts),
+                # kept here too: Lightning drops it when configure_optimizers built the loader early (#20550).
+                combined = trainer.fit_loop._combined_loader
+                for i, dl in enumerate(combined.flattened if combined is not None else []):
+                    if is_stateful_loader(dl) and str(i) in state["data"]["loaders"]:
+                        state["data"]["loaders"][str(i)]["loader_state"] = dl.state_dict()
+            if trainer.world_size > 1:
+                # RNG and loader position differ per rank; Lightning saves rank 0's callback
+                # state only, so every rank's is gathered into it (all ranks are in save()).
+                mine = {"rng": state.pop("rng"), "data": state.pop("data")}
+                gathered: list[Any] = [None] * trainer.world_size
+                torch.distributed.all_gather_object(gathered, mine)
+                state["per_rank"] = {str(rank): entry for rank, entry in enumerate(gathered)}
         return state
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
         if self._saving_at_boundary is None:
             return
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-        if self._saving_at_boundary:
+        if self._saving_at_boundary and "combined_loader" in fit_state:
             # A stateful loader saved after its last batch would skip the next epoch on resume
             # (Lightning restores it as "exhausted"); the tracker restores its sampler instead.
-            if "combined_loader" in fit_state:
-                fit_state["combined_loader"] = []
-            return
-        # Keep each stateful loader's state (as Lightning saved it) in our own state too:
-        # Lightning drops it when configure_optimizers builds the loader early (#20550).
-        states = iter(fit_state.get("combined_loader", []))
-        ours = checkpoint["callbacks"][self.state_key]["data"]["loaders"]
-        combined = trainer.fit_loop._combined_loader
-        for i, dl in enumerate(combined.flattened if combined is not None else []):
-            if is_stateful_loader(dl) and str(i) in ours:
-                ours[str(i)]["loader_state"] = next(states, None)
+            fit_state["combined_loader"] = []
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.freq.load_state_dict(state_dict.get("freq", {}))
         self._epoch_start_step = int(state_dict.get("epoch_start_step", 0))
+        self._epoch_index = int(state_dict.get("epoch_index", 0))
+        per_rank = state_dict.get("per_rank")
+        if per_rank is not None:
+            rank = self._trainer_ref.global_rank if self._trainer_ref is not None else 0
+            if str(rank) not in per_rank:
+                raise RecoverMismatchError(
+                    f"the recover checkpoint holds the state of ranks {sorted(per_rank)}, not of rank {rank}; "
+                    "resume with the same number of processes, or delete recover_info/ to start fresh")
+            state_dict = {**state_dict, **per_rank[str(rank)]}
         if "rng" in state_dict:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
             self._pending_rng = state_dict["rng"]
             self._boundary_rng_applied = bool(state_dict["data"]["at_boundary"])

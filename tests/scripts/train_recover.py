@@ -2,7 +2,7 @@
 
     python tests/scripts/train_recover.py --root DIR --losses FILE [--loader plain|stateful]
         [--workers N] [--no-shuffle] [--kill-at-step N] [--io-mode sync|async] [--freq-steps N]
-        [--freq-epochs N] [--epochs N] [--logger csv|none]
+        [--freq-epochs N] [--epochs N] [--logger csv|none] [--devices N [--rank-seed]]
 
 Appends one JSON line per optimizer step to --losses: {"step", "loss" (float.hex), "pid"}.
 --kill-at-step N sends SIGKILL to itself at the end of step N (before that step's save);
@@ -85,9 +85,13 @@ def main() -> None:
     p.add_argument("--freq-epochs", type=int, default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--logger", default="csv", choices=["csv", "none"])
+    p.add_argument("--devices", type=int, default=1, help=">1: strategy='ddp' on CPU (gloo)")
+    p.add_argument("--rank-seed", action="store_true", help="seed each rank differently")
     args = p.parse_args()
 
-    pl.seed_everything(0, workers=True, verbose=False)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    pl.seed_everything(7 * rank if args.rank_seed else 0, workers=True, verbose=False)
+    losses = f"{args.losses}.rank{rank}" if args.devices > 1 else args.losses
     if args.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader as Loader
     else:
@@ -98,11 +102,13 @@ def main() -> None:
     callbacks = [recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
-    logger = pl.loggers.CSVLogger(os.path.join(args.root, "logs"), name="run") if args.logger == "csv" else False
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=logger,
+    logger = (pl.loggers.CSVLogger(os.path.join(args.root, "logs"), name="run", flush_logs_every_n_steps=1)
+              if args.logger == "csv" else False)
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, logger=logger,
+                         strategy="ddp" if args.devices > 1 else "auto",
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks, log_every_n_steps=1)
-    trainer.fit(Net(args.losses), loader)
+    trainer.fit(Net(losses), loader)
 
 
 if __name__ == "__main__":
