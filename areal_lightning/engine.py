@@ -98,6 +98,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_point
+from areal_lightning.commit import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -341,14 +342,6 @@ def _flat_tensors(template: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 # DCP storage with commit marker and fault points
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _CommitWriter(FileSystemWriter):
     """``FileSystemWriter`` that fsyncs the directory after DCP's atomic ``.metadata``
     rename, exposes the engine's fault points, and runs ``on_commit`` (if given) on the
@@ -365,7 +358,7 @@ class _CommitWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list) -> None:
         fault_point("engine.before_commit")
         super().finish(metadata, results)
-        _fsync_dir(Path(self.path))
+        fsync_dir(Path(self.path))
         fault_point("engine.after_commit")
         if self._on_commit is not None:
             self._on_commit()
@@ -498,7 +491,7 @@ def _invalidate(path: Path) -> None:
             marker.unlink()
             withdrawn = True
     if withdrawn:
-        _fsync_dir(path)
+        fsync_dir(path)
 
 
 # --------------------------------------------------------------------------------------

@@ -277,11 +277,12 @@ class RecoverStore:
             )
         return info
 
-    def verify(self, checkpoint_info: dict[str, Any]) -> float:
+    def verify(self, checkpoint_info: dict[str, Any], crc: bool = True) -> int:
         """Check every file of the checkpoint against ``checkpoint_info``; return bytes checked.
 
         Raises :class:`CheckpointCorruptError` naming the first missing, truncated or
-        altered file (a partial checkpoint is never loaded).
+        altered file (a partial checkpoint is never loaded). ``crc=False`` checks presence
+        and sizes only (no read of the data).
         """
         if not self.ckpt_dir.is_dir():
             raise CheckpointCorruptError(
@@ -295,14 +296,15 @@ class RecoverStore:
         for rel, want in sorted(expected.items()):
             path = self.ckpt_dir / rel
             hint = f"the recover checkpoint is damaged; restore the file or delete {self.info_dir} to start fresh"
-            if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not isinstance(want.get("crc32"), int):
+            if not isinstance(want, dict) or not isinstance(want.get("size"), int) or (
+                    crc and not isinstance(want.get("crc32"), int)):
                 raise CheckpointCorruptError(f"{self.info_dir / 'checkpoint_info.json'}: bad entry for {rel!r}: {want!r}")
             if not path.is_file():
                 raise CheckpointCorruptError(f"{path} is missing: {hint}.")
             size = path.stat().st_size
             if size != want["size"]:
                 raise CheckpointCorruptError(f"{path} has {size} bytes, expected {want['size']} (truncated?): {hint}.")
-            if file_checksums_of(path)["crc32"] != want["crc32"]:
+            if crc and file_checksums_of(path)["crc32"] != want["crc32"]:
                 raise CheckpointCorruptError(f"{path} fails its CRC32 check (content altered): {hint}.")
             total += size
         return total
