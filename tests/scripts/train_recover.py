@@ -72,6 +72,20 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class LimitFileSize(pl.Callback):
+    """From the end of step ``step`` on, no file may grow past ``nbytes`` (a full disk)."""
+
+    def __init__(self, step: int, nbytes: int) -> None:
+        self.step, self.nbytes = step, nbytes
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            import resource
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG errors instead of a signal
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
@@ -87,6 +101,7 @@ def main() -> None:
     p.add_argument("--logger", default="csv", choices=["csv", "none"])
     p.add_argument("--devices", type=int, default=1, help=">1: strategy='ddp' on CPU (gloo)")
     p.add_argument("--rank-seed", action="store_true", help="seed each rank differently")
+    p.add_argument("--disk-full-at-step", type=int, default=None, help="limit file sizes (RLIMIT_FSIZE) from then on")
     args = p.parse_args()
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -102,6 +117,8 @@ def main() -> None:
     callbacks = [recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
+    if args.disk_full_at_step is not None:
+        callbacks.insert(0, LimitFileSize(args.disk_full_at_step, 4096))
     logger = (pl.loggers.CSVLogger(os.path.join(args.root, "logs"), name="run", flush_logs_every_n_steps=1)
               if args.logger == "csv" else False)
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, logger=logger,
