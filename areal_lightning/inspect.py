@@ -207,39 +207,16 @@ def inspect_export(path: Path, now: float | None = None) -> dict[str, Any]:
 
 
 def _pending_swap(layout: TrialLayout, name: str) -> tuple[str, Path, Path] | None:
-    """The swap a crash interrupted that :meth:`RecoverStore.repair` would finish, read-only.
+    """The swap a crash interrupted that the next start finishes (read-only):
+    ``(generation, info dir, checkpoint dir)`` of the pair it will use, or ``None``."""
+    from areal_lightning.recover_store import RecoverStore
 
-    Returns ``(generation, info dir, checkpoint dir)`` of the pair the next start will use, or
-    ``None``. Mirrors ``repair``: the newest complete ``.tmp-recover_info-{gen}`` wins when its
-    checkpoint is still at its temporary name or already in place.
-    """
-    from areal_lightning.engine import COMMIT_MARKER
-    from areal_lightning.recover_store import file_checksums_of
-
-    prefix = f"{TMP_PREFIX}{RECOVER_INFO}-"
-    complete: dict[int, str] = {}
-    if not layout.trial_dir.is_dir():
+    store = RecoverStore(layout, name)
+    gen = store.pending_swap()
+    if gen is None:
         return None
-    for child in layout.trial_dir.iterdir():
-        gen = child.name[len(prefix):]
-        step = gen.partition("-")[0]
-        if child.name.startswith(prefix) and step.isdigit() and (child / "checkpoint_info.json").is_file():
-            complete[int(step)] = gen
-    if not complete:
-        return None
-    gen = complete[max(complete)]
-    info_dir = layout.trial_dir / f"{prefix}{gen}"
-    tmp_ckpt = layout.model_dir(name) / f"{TMP_PREFIX}{RECOVER_CHECKPOINT}-{gen}"
-    if tmp_ckpt.exists():
-        return gen, info_dir, tmp_ckpt
-    in_place = layout.recover_checkpoint_dir(name)
-    try:
-        want = json.loads((info_dir / "checkpoint_info.json").read_text())["files"][COMMIT_MARKER]
-        if file_checksums_of(in_place / COMMIT_MARKER) == want:
-            return gen, info_dir, in_place
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+    tmp_ckpt = store.tmp_ckpt_dir(gen)
+    return gen, store.tmp_info_dir(gen), tmp_ckpt if tmp_ckpt.exists() else store.ckpt_dir
 
 
 def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, now: float,

@@ -140,7 +140,8 @@ class RecoverStore:
         """Where the DCP files of save ``gen`` are written."""
         return self.ckpt_dir.parent / f"{_TMP_CKPT}{gen}"
 
-    def _tmp_info_dir(self, gen: str) -> Path:
+    def tmp_info_dir(self, gen: str) -> Path:
+        """Where the ``recover_info`` of save ``gen`` is written before the swap."""
         return self.info_dir.parent / f"{_TMP_INFO}{gen}"
 
     def clean_stale(self) -> None:
@@ -170,7 +171,7 @@ class RecoverStore:
             files=file_checksums(tmp_ckpt),
             commit_time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
         )
-        tmp_info = self._tmp_info_dir(gen)
+        tmp_info = self.tmp_info_dir(gen)
         tmp_info.mkdir(parents=True, exist_ok=True)
         for name in INFO_FILES:
             content = checkpoint_info if name == "checkpoint_info.json" else info[name]
@@ -188,7 +189,7 @@ class RecoverStore:
         The new DCP folder is either still at its temporary name or already in place (a
         crash after that rename); the recover_info follows it.
         """
-        tmp_ckpt, tmp_info = self.tmp_ckpt_dir(gen), self._tmp_info_dir(gen)
+        tmp_ckpt, tmp_info = self.tmp_ckpt_dir(gen), self.tmp_info_dir(gen)
         old_ckpt = self.ckpt_dir.parent / f"{_OLD_CKPT}{gen}"
         old_info = self.info_dir.parent / f"{_OLD_INFO}{gen}"
         if tmp_ckpt.exists():
@@ -210,12 +211,14 @@ class RecoverStore:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def repair(self) -> str | None:
-        """Roll forward a swap that a crash interrupted; return its generation, if any.
+    def pending_swap(self) -> str | None:
+        """The generation of a swap a crash interrupted, which :meth:`repair` finishes (read-only).
 
         A complete ``.tmp-recover_info-{gen}`` (its ``checkpoint_info.json`` exists) is
         written only after the new DCP directory is committed, so finishing the swap is
-        always safe. Incomplete leftovers are left for :meth:`clean_stale`.
+        always safe. It counts only when the swap had begun (the old checkpoint or info was
+        moved aside, or the new checkpoint is already in place); after a crash before that
+        the old pair stays, and a deleted ``recover_info/`` still means a fresh start.
         """
         parent = self.info_dir.parent
         if not parent.is_dir():
@@ -228,8 +231,18 @@ class RecoverStore:
         if not complete:
             return None
         gen = complete[max(complete)]
-        if not self.tmp_ckpt_dir(gen).exists() and not self._in_place_is(gen):
-            log.warning("recover: %s has no checkpoint to go with it; leaving it for cleanup", self._tmp_info_dir(gen))
+        began = ((self.ckpt_dir.parent / f"{_OLD_CKPT}{gen}").exists()
+                 or (self.info_dir.parent / f"{_OLD_INFO}{gen}").exists()
+                 or (not self.tmp_ckpt_dir(gen).exists() and self._in_place_is(gen)))
+        return gen if began else None
+
+    def repair(self) -> str | None:
+        """Finish the swap a crash interrupted (see :meth:`pending_swap`); return its generation.
+
+        Leftovers of interrupted saves are removed by :meth:`clean_stale` at the next save.
+        """
+        gen = self.pending_swap()
+        if gen is None:
             return None
         log.warning("recover: finishing the checkpoint swap of save %s that was interrupted", gen)
         self._finish_swap(gen)
@@ -238,7 +251,7 @@ class RecoverStore:
     def _in_place_is(self, gen: str) -> bool:
         """Does ``recover_checkpoint/`` hold the checkpoint described by the temporary info of ``gen``?"""
         try:
-            want = json.loads((self._tmp_info_dir(gen) / "checkpoint_info.json").read_text())["files"][COMMIT_MARKER]
+            want = json.loads((self.tmp_info_dir(gen) / "checkpoint_info.json").read_text())["files"][COMMIT_MARKER]
             have = file_checksums_of(self.ckpt_dir / COMMIT_MARKER)
         except (OSError, ValueError, KeyError, TypeError):
             return False

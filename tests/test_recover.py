@@ -21,7 +21,6 @@ from areal_lightning import (
     CheckpointCorruptError,
     ConfigError,
     DCPCheckpointIO,
-    HFSaverCallback,
     RecoverCallback,
     StepInfo,
     callbacks_from_config,
@@ -380,3 +379,21 @@ def test_lightning_internals_auto_resume_relies_on(tmp_path) -> None:
     t2.state.fn = TrainerFn.FITTING
     with pytest.warns(UserWarning, match="no last checkpoint available"):
         assert t2._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, None, True, False) is None
+
+
+def test_deleting_recover_info_after_a_crash_before_the_swap_still_starts_fresh(tmp_path, monkeypatch) -> None:
+    """A complete new recover_info waits beside the old one (crash right before the swap);
+    the user deletes recover_info/: the next run starts fresh, it does not roll forward."""
+    from areal_lightning import CheckpointWriteError
+    from areal_lightning._fault import ENV_VAR, reset_fault_counts
+
+    reset_fault_counts()
+    monkeypatch.setenv(ENV_VAR, "recover.swap.begin@2")
+    pl.seed_everything(0, verbose=False)
+    with pytest.raises(CheckpointWriteError, match="recover.swap.begin"):
+        trainer([recover(tmp_path)]).fit(Net(), plain_loader())
+    monkeypatch.delenv(ENV_VAR)
+    assert any(p.name.startswith(".tmp-recover_info-8-") for p in trial(tmp_path).iterdir())
+    shutil.rmtree(trial(tmp_path) / "recover_info")
+    module = run(tmp_path)
+    assert min(module.losses) == 1

@@ -108,6 +108,7 @@ def test_sigkill_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factor
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("point", ["engine.before_commit", "engine.after_commit", "recover.info.before_checkpoint_info",
+                                   "recover.swap.begin",
                                    "recover.swap.old_checkpoint_moved", "recover.swap.new_checkpoint_in_place",
                                    "recover.swap.old_info_moved"])
 def test_sigkill_while_the_checkpoint_is_written(tmp_path, tmp_path_factory, mode, point) -> None:

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from areal_lightning import HFSaverCallback, RecoverCallback
+from areal_lightning import RecoverCallback
 
 warnings.filterwarnings("ignore")
 
