@@ -68,7 +68,8 @@ class KillAt(pl.Callback):
         self.step = step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
+        # Under torchrun --max-restarts, only the first attempt is killed.
+        if trainer.global_step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)
 
 
