@@ -355,6 +355,13 @@ def load_config(
     return cfg
 
 
+def as_experiment(cfg: Any, strict: bool = True) -> ExperimentConfig:
+    """``cfg`` as a validated :class:`ExperimentConfig` (an instance is validated as is;
+    anything else goes through :func:`load_config`)."""
+    exp = cfg if isinstance(cfg, ExperimentConfig) else load_config(cfg, strict=strict)
+    return exp.validate()
+
+
 def structured(schema: type = ExperimentConfig) -> DictConfig:
     """The omegaconf structured config for ``schema`` (for Hydra ``ConfigStore`` or merging)."""
     return OmegaConf.structured(schema)

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback
 
 from areal_lightning.callbacks.hf_saver import HFSaverCallback
 from areal_lightning.callbacks.recover import RecoverCallback
-from areal_lightning.config import ExperimentConfig, load_config
+from areal_lightning.config import as_experiment
 
 __all__ = ["HFSaverCallback", "RecoverCallback", "callbacks_from_config"]
 
@@ -26,8 +26,7 @@ def callbacks_from_config(cfg: Any, strict: bool = True, **saver_kwargs: Any) ->
         >>> [type(c).__name__ for c in cbs]
         ['HFSaverCallback']
     """
-    exp = cfg if isinstance(cfg, ExperimentConfig) else load_config(cfg, strict=strict)
-    exp.validate()
+    exp = as_experiment(cfg, strict)
     callbacks: list[Callback] = []
     if exp.saver.enabled:
         callbacks.append(HFSaverCallback.from_config(exp, **saver_kwargs))

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
 from areal_lightning.commit import clean_stale_tmp, remove_dir
-from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, load_config, validate_model_name
+from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import BackgroundWorker
 from areal_lightning.freq import FreqController
 from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
@@ -121,8 +121,7 @@ class HFSaverCallback(Callback):
             ...     "trial_name": "t", "saver": {"freq_epochs": 1}}).config.freq_epochs
             1
         """
-        exp = cfg if isinstance(cfg, ExperimentConfig) else load_config(cfg, strict=strict)
-        exp.validate()
+        exp = as_experiment(cfg, strict)
         s = exp.saver
         return cls(
             fileroot=exp.fileroot,

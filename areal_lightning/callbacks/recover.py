@@ -19,7 +19,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
-from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, load_config, validate_model_name
+from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import CheckpointCorruptError
 from areal_lightning.freq import FreqController
 from areal_lightning.layout import TrialLayout
@@ -204,8 +204,7 @@ class RecoverCallback(Callback):
     def from_config(cls, cfg: Any, strict: bool = True, **kwargs: Any) -> "RecoverCallback":
         """Build from a whole experiment config (YAML path, dict, dataclass or ``DictConfig``),
         using the top-level paths and the ``recover:`` section."""
-        exp = cfg if isinstance(cfg, ExperimentConfig) else load_config(cfg, strict=strict)
-        exp.validate()
+        exp = as_experiment(cfg, strict)
         r = exp.recover
         return cls(fileroot=exp.fileroot, experiment_name=exp.experiment_name, trial_name=exp.trial_name,
                    user=exp.user, mode=r.mode, freq_epochs=r.freq_epochs, freq_steps=r.freq_steps,
