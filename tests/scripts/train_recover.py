@@ -83,6 +83,7 @@ class LimitFileSize(pl.Callback):
         if trainer.global_step == self.step:
             import resource
 
+            trainer.strategy.checkpoint_io.wait()  # an async save still in flight completes first
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG errors instead of a signal
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
