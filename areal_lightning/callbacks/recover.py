@@ -7,6 +7,7 @@ import logging
 import math
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +30,8 @@ from areal_lightning.state.rng import capture_rng, restore_rng
 from areal_lightning.telemetry import SaveReport, Telemetry
 
 __all__ = ["RecoverCallback", "StepInfo"]
+
+_NOT_RESUMABLE_WARNING = ".*your dataloader is not resumable.*"
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +202,7 @@ class RecoverCallback(Callback):
         self._held: dict[str, float] = {}
         self._trainer_ref: "pl.Trainer | None" = None
         self._patched: list[tuple[Any, str]] = []
+        self._warning_filter: tuple | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, strict: bool = True, **kwargs: Any) -> "RecoverCallback":
@@ -306,6 +310,10 @@ class RecoverCallback(Callback):
         for obj, attr in self._patched:
             obj.__dict__.pop(attr, None)
         self._patched = []
+        if self._warning_filter is not None and self._warning_filter in warnings.filters:
+            warnings.filters.remove(self._warning_filter)
+            getattr(warnings, "_filters_mutated", lambda: None)()  # invalidate CPython's warning caches
+        self._warning_filter = None
         self.tracker.untrack()
         if self._lock is not None:
             self._lock.release()
@@ -587,6 +595,12 @@ class RecoverCallback(Callback):
         rng, self._pending_rng = self._pending_rng, None
         if rng is None:
             return
+        combined = trainer.fit_loop._combined_loader
+        if combined is not None and all(isinstance(dl, DataLoader) for dl in combined.flattened):
+            # Every train loader is resumed by the tracker: Lightning's mid-epoch warning that a
+            # plain DataLoader "is not resumable" does not apply to this run.
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+            self._warning_filter = warnings.filters[0]
         if self._boundary_rng_applied and self.tracker.replayed:
             # The next epoch's iterator was created from the saved torch RNG state already.
             rng = {**rng, "torch": torch.get_rng_state()}
