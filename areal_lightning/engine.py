@@ -114,11 +114,6 @@ _SKELETON_KEY = "__areal_lightning_skeleton__"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-# Async saves in flight in this process, by resolved path: a load of that path from another
-# engine (e.g. a new Trainer's DCPCheckpointIO) waits for it instead of finding no marker.
-_IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]"
-
-
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint directory is incomplete, unreadable or not in this engine's format."""
 
@@ -127,7 +122,9 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint save (or background job) failed; the message names its path."""
 
 
-_IN_FLIGHT = weakref.WeakValueDictionary()
+# Async saves in flight in this process, by resolved path: a load of that path from another
+# engine (e.g. a new Trainer's DCPCheckpointIO) waits for it instead of finding no marker.
+_IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]" = weakref.WeakValueDictionary()
 
 
 # --------------------------------------------------------------------------------------

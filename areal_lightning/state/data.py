@@ -203,11 +203,6 @@ class LoaderTracker:
                 # Lightning issue #20550); loading the same state twice is harmless.
                 self._pending[int(key)] = {**common, "rng": None, "skip": 0, "loader_state": entry.get("loader_state")}
 
-    @property
-    def armed(self) -> bool:
-        """True while a replay waits for its ``iter()``."""
-        return bool(self._pending)
-
     # -- the iterator ----------------------------------------------------------------------
 
     def _iterate(self, loader: Any, index: int, make_iter: Callable[[], Iterator[Any]]) -> Iterator[Any]:
