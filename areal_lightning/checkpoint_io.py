@@ -29,9 +29,12 @@ Where the training loop waits for staging
     a checkpoint is never torn -- it just blocks for the host copy.
 
 Distributed: Lightning's base ``Strategy`` calls ``save_checkpoint``/``remove_checkpoint``
-on global rank 0 only and ``load_checkpoint`` on every rank, so all engine calls are
-rank-local (``no_dist``). Writing one shard per rank under DDP/FSDP needs a strategy
-bridge (a separate piece); :class:`DCPEngine` supports that with ``collective=True``.
+on global rank 0 only (FSDP and ModelParallel bypass the ``CheckpointIO`` altogether).
+:class:`StagingWaitCallback` and ``RecoverCallback`` install the strategy bridge
+(:mod:`areal_lightning.bridge`) in ``setup``: then every rank calls ``save_checkpoint``
+with its own (replicated or sharded) state and writes its own ``__{rank}_*.distcp`` files
+in one collective DCP save, and loads reshard into the live model. Without the bridge
+(no such callback) saves stay rank-0-only and rank-local.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
+from areal_lightning.bridge import install_bridge
 from areal_lightning.engine import DCPEngine
 
 log = logging.getLogger(__name__)
@@ -125,18 +129,24 @@ class DCPCheckpointIO(CheckpointIO):
         log.debug("save_checkpoint(%s, %s) held the caller %.3f s", path, self.resolved_mode, time.perf_counter() - start)
 
     def load_checkpoint(
-        self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+        self,
+        path: _PATH,
+        map_location: Optional[Any] = None,
+        weights_only: Optional[bool] = None,
+        template: Optional[dict[str, Any]] = None,
     ) -> dict[str, Any]:
         """Read the DCP directory ``path`` (waits for an in-flight save first).
 
         ``map_location``: ``None`` (CPU), a device or a device string. ``weights_only``
-        restricts the non-tensor state as ``torch.load`` does (``None`` = torch's default)."""
+        restricts the non-tensor state as ``torch.load`` does (``None`` = torch's default).
+        ``template``: nested dict whose tensors (e.g. a sharded model's DTensors, by the
+        checkpoint's dotted paths) are loaded in place, resharded by DCP."""
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(
                 f"DCPCheckpointIO.load_checkpoint: map_location must be None, a torch.device or a device "
                 f"string, got {type(map_location).__name__}"
             )
-        checkpoint = self._engine.load(path, weights_only=weights_only)
+        checkpoint = self._engine.load(path, template=template, weights_only=weights_only)
         if map_location is not None and torch.device(map_location).type != "cpu":
             checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))
         return checkpoint
@@ -179,12 +189,14 @@ class StagingWaitCallback(Callback):
         self._io: DCPCheckpointIO | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Attach to the trainer's ``DCPCheckpointIO`` (warns if there is none)."""
+        """Attach to the trainer's ``DCPCheckpointIO`` (warns if there is none) and install
+        the strategy bridge, so every rank writes its own shard."""
         self._io = _find_io(trainer)
         if self._io is None:
             rank_zero_warn("StagingWaitCallback: the trainer's checkpoint_io is not a DCPCheckpointIO; the callback does nothing")
         else:
             self._io._staging_waiters += 1
+            install_bridge(trainer.strategy, self._io)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Detach, so saves outside ``fit`` wait for their own staging again."""

@@ -56,8 +56,11 @@ Commit protocol
 Distributed
     With ``collective=False`` (the default; Lightning calls ``CheckpointIO`` on rank 0
     only) DCP runs with ``no_dist=True``. With ``collective=True`` and an initialized process
-    group, every rank must call ``save``/``load`` together; background collectives then use
-    a dedicated gloo group, created once.
+    group of more than one rank, every rank must call ``save`` together (one DCP save: each
+    rank writes its own ``__{rank}_*.distcp`` files, replicated tensors are written once,
+    the skeleton by rank 0 only); background collectives use a dedicated gloo group,
+    created once. Loads are always rank-local reads of the shared directory into the
+    caller's template, so DCP reshards to whatever the template holds (any world size).
 
 Fault points (see :mod:`areal_lightning._fault`): ``engine.before_staging`` (caller thread,
 start of every save), ``engine.after_staging`` (writer thread, state on host, before the
@@ -476,16 +479,18 @@ def check_complete(path: PathLike) -> Path:
     return path
 
 
-def _invalidate(path: Path) -> None:
-    """Prepare ``path`` for a new save: create it, or withdraw its old commit marker."""
+def _invalidate(path: Path, *, withdraw_marker: bool = True) -> None:
+    """Prepare ``path`` for a new save: create it, or withdraw its old commit marker (done
+    by rank 0 alone in a collective save, before its first collective: no rank writes data
+    before every rank has entered the save)."""
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"cannot write a DCP checkpoint to {path}: a file exists there; remove it or choose another path")
     path.mkdir(parents=True, exist_ok=True)
     withdrawn = False
-    for name in (COMMIT_MARKER, COMMIT_MARKER + ".tmp"):
+    for name in (COMMIT_MARKER, COMMIT_MARKER + ".tmp") if withdraw_marker else ():
         marker = path / name
         if marker.exists():
-            marker.unlink()
+            marker.unlink(missing_ok=True)
             withdrawn = True
     if withdrawn:
         fsync_dir(path)
@@ -500,8 +505,8 @@ class DCPEngine:
 
     Args:
         thread_count: writer threads per rank (each writes its own ``__{rank}_{i}.distcp``).
-        collective: all ranks call ``save``/``load`` together (sharded checkpoints) when a
-            process group is initialized; ``False`` means rank-local calls (``no_dist``).
+        collective: all ranks call ``save`` together (one shard per rank) when a process
+            group is initialized; ``False`` means rank-local saves (``no_dist``).
     """
 
     def __init__(self, *, thread_count: int = 2, collective: bool = False) -> None:
@@ -510,7 +515,7 @@ class DCPEngine:
         self.thread_count = thread_count
         self.collective = collective
         self._worker = BackgroundWorker("areal-dcp")
-        self._gloo: dist.ProcessGroup | None = None
+        self._gloo: dict[bool, dist.ProcessGroup] = {}
 
     @property
     def in_flight(self) -> str | None:
@@ -537,7 +542,12 @@ class DCPEngine:
         path = Path(path)
         fault_point("engine.before_staging")
         flat = _split(state)
-        _invalidate(path)
+        rank = dist.get_rank() if self._is_collective() else 0
+        if rank != 0:
+            # Collective save: rank 0's skeleton describes the checkpoint; the others'
+            # contribute tensors only (DCP would keep one arbitrary rank's byte item).
+            flat.pop(_SKELETON_KEY)
+        _invalidate(path, withdraw_marker=rank == 0)
         writer = _CommitWriter(
             path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, on_commit=on_commit
         )
@@ -613,7 +623,9 @@ class DCPEngine:
                     allocated.add(fqn)
         planner = _TemplateLoadPlanner(weights_only, allocated)
         try:
-            dcp.load(flat, storage_reader=_AdoptingReader(path), planner=planner, **self._dist_kwargs(background=False))
+            # Always rank-local: every rank reads the shared directory into its own template
+            # (DCP reshards from the saved chunks), so loads need no collective.
+            dcp.load(flat, storage_reader=_AdoptingReader(path), planner=planner, no_dist=True)
         except (Exception, CheckpointException) as exc:
             if planner.refused is not None:
                 raise pickle.UnpicklingError(
@@ -640,20 +652,24 @@ class DCPEngine:
         """Wait for the save in flight, free staging buffers, raise any stored failure."""
         self._worker.close()
 
+    def _is_collective(self) -> bool:
+        return self.collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
     def _dist_kwargs(self, *, background: bool) -> dict[str, Any]:
         if not (dist.is_available() and dist.is_initialized()):
             return {"no_dist": True}
-        if not self.collective:
+        if not self._is_collective():
             # Rank-local call. dcp.async_save still checks that its group has a CPU backend.
             return {"no_dist": True, "process_group": self._gloo_group(local=True) if background else None}
         return {"process_group": self._gloo_group(local=False) if background else None}
 
     def _gloo_group(self, *, local: bool) -> dist.ProcessGroup:
-        """The dedicated gloo group for background collectives, created once. For
-        rank-local calls it holds only this rank (created without involving the others)."""
-        if self._gloo is None:
+        """The dedicated gloo group for background collectives, created once per kind. For
+        rank-local calls it holds only this rank (created without involving the others);
+        for collective saves it holds every rank (created by all ranks together)."""
+        if local not in self._gloo:
             if local:
-                self._gloo = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+                self._gloo[local] = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
             else:
-                self._gloo = dist.new_group(backend="gloo")
-        return self._gloo
+                self._gloo[local] = dist.new_group(backend="gloo")
+        return self._gloo[local]

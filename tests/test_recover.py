@@ -278,14 +278,17 @@ def test_damaged_checkpoint_gives_a_clear_error_and_touches_nothing(tmp_path, ca
     assert snapshot(tmp_path) == before
 
 
-def test_world_size_mismatch_is_explained(tmp_path) -> None:
+def test_sharded_vs_replicated_strategy_mismatch_is_explained(tmp_path) -> None:
     run(tmp_path, crash_at=6)
     path = trial(tmp_path) / "recover_info" / "checkpoint_info.json"
     info = json.loads(path.read_text())
-    info["world_size"] = 2  # as written by a 2-process run
+    info["strategy"] = "ModelParallelStrategy"  # as written by an FSDP2 run
     path.write_text(json.dumps(info))
-    with pytest.raises(RecoverMismatchError, match="world_size=2 but this run has world_size=1"):
+    before = snapshot(tmp_path)
+    with pytest.raises(RecoverMismatchError, match="strategy='ModelParallelStrategy' .sharded parameters. but this "
+                                                   "run has strategy='SingleDeviceStrategy' .replicated parameters."):
         trainer([recover(tmp_path)]).fit(Net(), plain_loader())
+    assert snapshot(tmp_path) == before
 
 
 def test_deleting_recover_info_starts_fresh(tmp_path) -> None:

@@ -19,13 +19,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
+from areal_lightning.bridge import install_bridge
 from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
 from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import CheckpointCorruptError
 from areal_lightning.freq import FreqController
 from areal_lightning.layout import TrialLayout
 from areal_lightning.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore, TrialLock
-from areal_lightning.state.data import LoaderTracker, is_stateful_loader
+from areal_lightning.state.data import LoaderTracker, is_stateful_loader, remap_position
 from areal_lightning.state.rng import capture_rng, restore_rng
 from areal_lightning.telemetry import SaveReport, Telemetry
 
@@ -98,6 +99,12 @@ def _keep_csv_rows(logger: Any, steps_done: int) -> None:
     writer = logger.experiment  # creating it removes the file; its rows are written back on save
     writer.metrics = rows + writer.metrics
     writer.metrics_keys = keys + [k for k in writer.metrics_keys if k not in keys]
+
+
+def _family(strategy_name: str) -> str:
+    """``sharded`` (FSDP, ModelParallel: optimizer state keyed by parameter name) or
+    ``replicated`` (single device, DDP: keyed by parameter index)."""
+    return "sharded" if strategy_name in ("FSDPStrategy", "ModelParallelStrategy") else "replicated"
 
 
 def _parse_time(value: Any) -> float | None:
@@ -190,6 +197,7 @@ class RecoverCallback(Callback):
         self._plan: _ResumePlan | None = None
         self._resuming = False
         self._pending_rng: dict[str, Any] | None = None
+        self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
         self._boundary_rng_applied = False
         self._epoch_start_step = 0
         self._epoch_index = 0
@@ -229,6 +237,7 @@ class RecoverCallback(Callback):
         if stage != "fit" or not self.enabled:
             return
         self._io = self._install_io(trainer)
+        install_bridge(trainer.strategy, self._io)  # every rank writes its shard; loads reshard
         self._trainer_ref = trainer
         if trainer.is_global_zero:
             self._lock = TrialLock(self.layout.trial_dir)
@@ -348,13 +357,17 @@ class RecoverCallback(Callback):
                 raise RecoverMismatchError(
                     f"{path} was written by {key}={ckpt[key]!r}, this run is {key}={value!r}: the trial folder "
                     "was copied or renamed. Use the original names, or delete recover_info/ to start fresh.")
-        here = {"world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}
-        for key, value in here.items():
-            if ckpt[key] != value:
-                raise RecoverMismatchError(
-                    f"{path}: the recover checkpoint was written with {key}={ckpt[key]!r} but this run has "
-                    f"{key}={value!r}. Resume with the same parallel configuration (devices, num_nodes, strategy), "
-                    "or delete recover_info/ to start fresh.")
+        strategy = type(trainer.strategy).__name__
+        if _family(ckpt["strategy"]) != _family(strategy):
+            raise RecoverMismatchError(
+                f"{path}: the recover checkpoint was written with strategy={ckpt['strategy']!r} "
+                f"({_family(ckpt['strategy'])} parameters) but this run has strategy={strategy!r} "
+                f"({_family(strategy)} parameters); their optimizer states are keyed differently. Resume with a "
+                f"{_family(ckpt['strategy'])} strategy, or delete recover_info/ to start fresh.")
+        if ckpt["world_size"] != trainer.world_size:
+            log.warning("RecoverCallback: resharding the recover checkpoint written by %d rank(s) (%s) onto %d rank(s) "
+                        "(%s): DCP reshards model and optimizer; the dataloader position is mapped by samples consumed",
+                        ckpt["world_size"], ckpt["strategy"], trainer.world_size, strategy)
         start = time.perf_counter()
         nbytes = self.store.verify(ckpt)
         return _ResumePlan(self.store.ckpt_dir, info, nbytes, time.perf_counter() - start)
@@ -474,23 +487,29 @@ class RecoverCallback(Callback):
         finally:
             boundary, self._saving_at_boundary = self._saving_at_boundary, None
         info = self._build_info(trainer, checkpoint, boundary)
+        engine = self._io.engine
+        engine.wait()  # the previous save is durable and swapped in (or its failure raised here)
+        gen: str | None = None
         if trainer.is_global_zero:
-            engine = self._io.engine
-            engine.wait()  # the previous save is durable and swapped in (or its failure raised here)
             self.store.clean_stale()
             gen = self.store.new_generation(steps)
-            asynchronous = self._io.resolved_mode == "async"
-            held = self._held = {"call": 0.0}
+        if trainer.world_size > 1:
+            # Every rank writes its shard into the same directory (one collective DCP save);
+            # rank 0 alone publishes it together with recover_info once it is committed.
+            gen = trainer.strategy.broadcast(gen, src=0)
+        asynchronous = self._io.resolved_mode == "async"
+        held = self._held = {"call": 0.0}
 
-            def commit() -> None:
-                files = self.store.commit(gen, info)
-                self._last_durable = time.time()
-                self.telemetry.record(SaveReport(
-                    "recover", steps, str(self.store.ckpt_dir), held["call"] + held.get("staging_wait", 0.0),
-                    time.perf_counter() - start, sum(f["size"] for f in files.values())))
+        def commit() -> None:
+            files = self.store.commit(gen, info)
+            self._last_durable = time.time()
+            self.telemetry.record(SaveReport(
+                "recover", steps, str(self.store.ckpt_dir), held["call"] + held.get("staging_wait", 0.0),
+                time.perf_counter() - start, sum(f["size"] for f in files.values())))
 
-            engine.save(checkpoint, self.store.tmp_ckpt_dir(gen), asynchronous=asynchronous, on_commit=commit)
-            held["call"] = time.perf_counter() - start
+        engine.save(checkpoint, self.store.tmp_ckpt_dir(gen), asynchronous=asynchronous,
+                    on_commit=commit if trainer.is_global_zero else None)
+        held["call"] = time.perf_counter() - start
 
     def _build_info(self, trainer: "pl.Trainer", checkpoint: dict[str, Any], boundary: bool) -> dict[str, dict]:
         from areal_lightning.callbacks.hf_saver import HFSaverCallback
@@ -554,8 +573,9 @@ class RecoverCallback(Callback):
                 # kept here too: Lightning drops it when configure_optimizers built the loader early (#20550).
                 combined = trainer.fit_loop._combined_loader
                 for i, dl in enumerate(combined.flattened if combined is not None else []):
-                    if is_stateful_loader(dl) and str(i) in state["data"]["loaders"]:
-                        state["data"]["loaders"][str(i)]["loader_state"] = dl.state_dict()
+                    entry = state["data"]["loaders"].get(str(i))
+                    if entry is not None and entry["stateful"]:
+                        entry["loader_state"] = dl.state_dict()
             if trainer.world_size > 1:
                 # RNG and loader position differ per rank; Lightning saves rank 0's callback
                 # state only, so every rank's is gathered into it (all ranks are in save()).
@@ -569,27 +589,54 @@ class RecoverCallback(Callback):
         if self._saving_at_boundary is None:
             return
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-        if self._saving_at_boundary and "combined_loader" in fit_state:
-            # A stateful loader saved after its last batch would skip the next epoch on resume
-            # (Lightning restores it as "exhausted"); the tracker restores its sampler instead.
+        if "combined_loader" in fit_state:
+            # The tracker restores every train loader itself, each rank its own (Lightning keeps
+            # rank 0's loader states only). At an epoch boundary a stateful loader's state would
+            # even skip the next epoch (Lightning restores it as "exhausted").
             fit_state["combined_loader"] = []
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.freq.load_state_dict(state_dict.get("freq", {}))
         self._epoch_start_step = int(state_dict.get("epoch_start_step", 0))
         self._epoch_index = int(state_dict.get("epoch_index", 0))
-        per_rank = state_dict.get("per_rank")
-        if per_rank is not None:
-            rank = self._trainer_ref.global_rank if self._trainer_ref is not None else 0
-            if str(rank) not in per_rank:
-                raise RecoverMismatchError(
-                    f"the recover checkpoint holds the state of ranks {sorted(per_rank)}, not of rank {rank}; "
-                    "resume with the same number of processes, or delete recover_info/ to start fresh")
-            state_dict = {**state_dict, **per_rank[str(rank)]}
+        state_dict = self._own_rank_state(state_dict)
         if "rng" in state_dict:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
+            data, self._remapped = self._remapped or state_dict["data"], None
             self._pending_rng = state_dict["rng"]
-            self._boundary_rng_applied = bool(state_dict["data"]["at_boundary"])
-            self.tracker.load_state_dict(state_dict["data"], checkpoint_rng=state_dict["rng"]["torch"])
+            self._boundary_rng_applied = bool(data["at_boundary"])
+            self.tracker.load_state_dict(data, checkpoint_rng=state_dict["rng"]["torch"])
+
+    def _own_rank_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's RNG and loader state out of a saved callback state; on another world
+        size (resharding) rank r continues from saved rank r mod W."""
+        per_rank = state.get("per_rank")
+        if per_rank is None:
+            return state
+        rank = self._trainer_ref.global_rank if self._trainer_ref is not None else 0
+        return {**state, **per_rank[str(rank % len(per_rank))]}
+
+    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
+        """On a different world size, map the dataloader position by samples consumed and make
+        Lightning's batch counters of the epoch agree with it (runs before ``load_state_dict``)."""
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if not isinstance(state, dict):
+            return
+        per_rank = state.get("per_rank")
+        old_world = len(per_rank) if per_rank is not None else 1
+        mine = self._own_rank_state(state)
+        if old_world == trainer.world_size or "data" not in mine:
+            return
+        try:
+            data = remap_position(mine["data"], old_world, trainer.world_size)
+        except ValueError as exc:
+            raise RecoverMismatchError(f"resharding from {old_world} to {trainer.world_size} ranks: {exc}") from None
+        self._remapped = data
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {}).get("current")
+        if not data["at_boundary"] and progress:
+            done = max(int(entry["batches_done"]) for entry in data["loaders"].values())
+            shift = done - progress["processed"]
+            for key in ("ready", "started", "processed", "completed"):
+                progress[key] += shift
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         rng, self._pending_rng = self._pending_rng, None

@@ -15,10 +15,13 @@ So the resumed epoch yields the same batches in the same order, through the same
 seeds, as the uninterrupted run. At an epoch boundary nothing is skipped: the iterator of
 the next epoch is created from the RNG state saved with the checkpoint.
 
-A ``StatefulDataLoader`` mid-epoch gets its own ``state_dict`` back (as Lightning saved it;
-also when Lightning itself drops it, issue #20550); at an epoch boundary its exhausted
-state is dropped (Lightning would otherwise skip the next epoch) and the state of its
-sampler's generator is restored instead. A changed ``batch_size`` is refused.
+A ``StatefulDataLoader`` mid-epoch gets its own ``state_dict`` back (per rank, also when
+Lightning itself drops it, issue #20550); at an epoch boundary its exhausted state is
+dropped (Lightning would otherwise skip the next epoch) and the state of its sampler's
+generator is restored instead. Under DDP Lightning wraps its sampler into a
+``DistributedSamplerWrapper`` whose permutation the loader's state does not hold: such a
+loader is replayed like a plain one, its sampler's generator set back to where the epoch
+began (:func:`restores_itself`). A changed ``batch_size`` is refused.
 
 Limits: with ``num_workers=0``, randomness drawn from the global RNG inside
 ``Dataset.__getitem__`` for the first batch after a mid-epoch resume is not replayed;
@@ -34,7 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["LoaderTracker", "is_stateful_loader"]
+__all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,35 @@ def is_stateful_loader(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
+def _inner_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (else ``sampler``)."""
+    wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    return wrapped if wrapped is not None and type(sampler).__name__ == "DistributedSamplerWrapper" else sampler
+
+
+def _index_sampler(loader: Any) -> Any:
+    """The sampler that orders the samples: the batch sampler's (where Lightning injects its
+    distributed sampler into a ``StatefulDataLoader``), else the loader's."""
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return inner if inner is not None else getattr(loader, "sampler", None)
+
+
 def _sampler_generator(loader: Any) -> torch.Generator | None:
-    sampler = getattr(loader, "sampler", None)
+    """The ``torch.Generator`` the loader's sampler draws its permutation from, if it has one
+    (torchdata's ``RandomSampler`` always has one, also inside Lightning's wrapper)."""
+    sampler = _inner_sampler(_index_sampler(loader))
     gen = getattr(sampler, "generator", None)
     return gen if isinstance(gen, torch.Generator) else None
+
+
+def restores_itself(loader: Any) -> bool:
+    """True when the loader's own ``state_dict`` brings back its exact position: a stateful
+    loader whose sampler is stateful or deterministic. Under DDP Lightning wraps a
+    ``StatefulDataLoader``'s sampler into a ``DistributedSamplerWrapper``, whose permutation
+    the loader's state does not hold; such loaders are replayed like a plain ``DataLoader``."""
+    if not is_stateful_loader(loader):
+        return False
+    return type(_index_sampler(loader)).__name__ != "DistributedSamplerWrapper"
 
 
 def _resumable_subclass(cls: type) -> type:
@@ -117,6 +145,39 @@ class _TrackedIterator:
         return getattr(self._inner, name)
 
 
+_DISTRIBUTED_SAMPLERS = ("DistributedSampler", "DistributedSamplerWrapper")
+
+
+def remap_position(state: dict[str, Any], old_world: int, new_world: int) -> dict[str, Any]:
+    """Map one rank's saved loader positions to a run with ``new_world`` ranks.
+
+    Exact when every rank's loader iterates a ``DistributedSampler`` (Lightning injects one
+    under DDP/FSDP; its permutation depends on seed and epoch only, and rank ``r`` takes
+    every ``world``-th index of it): after ``k`` batches of size ``b`` on each of ``W`` ranks
+    the first ``k*b*W`` indices were consumed, so each new rank skips ``k*W/W'`` batches --
+    which must be a whole number. Anything else raises ``ValueError`` explaining why.
+    """
+    if old_world == new_world or state.get("at_boundary"):
+        return state  # an epoch boundary maps to the next epoch's start on any world size
+    loaders = {}
+    for key, entry in state.get("loaders", {}).items():
+        where = (f"train dataloader {key}: the checkpoint was taken after {entry['batches_done']} batches of the "
+                 f"epoch on each of {old_world} ranks")
+        if entry.get("sampler") not in _DISTRIBUTED_SAMPLERS or entry.get("stateful"):
+            raise ValueError(
+                f"{where} with a {entry.get('sampler')} sampler, whose position cannot be mapped to {new_world} ranks "
+                "(only a DistributedSampler's order is the same for every world size). Resume with "
+                f"{old_world} processes, or from a checkpoint taken at an epoch boundary.")
+        consumed = int(entry["batches_done"]) * old_world
+        if consumed % new_world:
+            raise ValueError(
+                f"{where}, {consumed} batches in all; that is not a whole number of batches for each of {new_world} "
+                f"ranks. Resume with {old_world} processes (or a world size dividing {consumed}), or from a "
+                "checkpoint taken at an epoch boundary.")
+        loaders[key] = {**entry, "batches_done": consumed // new_world}
+    return {**state, "loaders": loaders}
+
+
 class LoaderTracker:
     """Tracks the train loaders of one run and replays their position after a resume."""
 
@@ -124,6 +185,7 @@ class LoaderTracker:
         self._iters: dict[int, Any] = {}
         self._first_rng: dict[int, torch.Tensor] = {}
         self._iter_rng: dict[int, torch.Tensor] = {}
+        self._iter_gen: dict[int, torch.Tensor] = {}
         self._loaders: dict[int, Any] = {}
         self._pending: dict[int, dict[str, Any]] = {}
         self.replayed: list[str] = []
@@ -166,7 +228,7 @@ class LoaderTracker:
         """
         loaders = {}
         for index, loader in self._loaders.items():
-            stateful = is_stateful_loader(loader)
+            stateful = restores_itself(loader)
             yielded = getattr(self._iters.get(index), "_num_yielded", None)
             done = yielded - prefetched if isinstance(yielded, int) else batches_done
             entry: dict[str, Any] = {"stateful": stateful, "batches_done": done,
@@ -176,9 +238,15 @@ class LoaderTracker:
                     raise RuntimeError("internal: train loader position requested before its first batch")
                 entry["iter_rng"] = self._iter_rng[index]
                 entry["first_rng"] = self._first_rng[index]
+                if index in self._iter_gen:  # the sampler's own generator, as this epoch began
+                    entry["sampler_generator"] = self._iter_gen[index]
             gen = _sampler_generator(loader)
-            if at_boundary and stateful and gen is not None:
+            if at_boundary and gen is not None:
                 entry["sampler_generator"] = gen.get_state()
+            entry["sampler"] = type(_index_sampler(loader)).__name__
+            epoch = getattr(_index_sampler(loader), "epoch", None)
+            if isinstance(epoch, int):  # DistributedSampler: the epoch its permutation is (next) drawn for
+                entry["sampler_epoch"] = epoch + 1 if at_boundary else epoch
             loaders[str(index)] = entry
         return {"at_boundary": at_boundary, "loaders": loaders}
 
@@ -190,13 +258,14 @@ class LoaderTracker:
         """
         self._pending = {}
         for key, entry in state.get("loaders", {}).items():
-            common = {"batch_size": entry.get("batch_size")}
+            common = {"batch_size": entry.get("batch_size"), "sampler_epoch": entry.get("sampler_epoch")}
             if state["at_boundary"]:
                 self._pending[int(key)] = {**common, "rng": checkpoint_rng, "skip": 0,
                                            "sampler_generator": entry.get("sampler_generator")}
             elif not entry["stateful"]:
                 self._pending[int(key)] = {**common, "rng": entry["iter_rng"], "first_rng": entry["first_rng"],
-                                           "skip": int(entry["batches_done"])}
+                                           "skip": int(entry["batches_done"]),
+                                           "sampler_generator": entry.get("sampler_generator")}
             else:
                 # The loader's own state, as Lightning saved it. Lightning restores it too, except
                 # when configure_optimizers built the loader early (estimated_stepping_batches,
@@ -215,6 +284,11 @@ class LoaderTracker:
                     f"resume: train dataloader {index} has batch_size={loader.batch_size}, but the checkpoint was "
                     f"written with batch_size={want_bs}; the saved position would point at other samples. Use the "
                     "same batch size, or delete recover_info/ to start fresh.")
+            sampler = _index_sampler(loader)
+            if pending.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
+                # Lightning creates the resumed iterator before it sets the sampler's epoch; a
+                # StatefulDataLoader draws its permutation right then, so set the epoch first.
+                sampler.set_epoch(pending["sampler_epoch"])
             if pending.get("loader_state") is not None:
                 loader.load_state_dict(pending["loader_state"])
             if pending.get("rng") is not None:
@@ -224,6 +298,9 @@ class LoaderTracker:
             if gen_state is not None and gen is not None:
                 gen.set_state(gen_state.to(torch.uint8))
         self._iter_rng[index] = torch.get_rng_state()
+        gen = _sampler_generator(loader)
+        if gen is not None:
+            self._iter_gen[index] = gen.get_state()
         self._first_rng.pop(index, None)
         replay = pending is not None and pending.get("first_rng") is not None
         iterator = _TrackedIterator(make_iter(), self, index, skip=pending["skip"] if replay else 0,

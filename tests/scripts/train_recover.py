@@ -2,9 +2,11 @@
 
     python tests/scripts/train_recover.py --root DIR --losses FILE [--loader plain|stateful]
         [--workers N] [--no-shuffle] [--kill-at-step N] [--io-mode sync|async] [--freq-steps N]
-        [--freq-epochs N] [--epochs N] [--logger csv|none] [--devices N [--rank-seed]]
+        [--freq-epochs N] [--freq-secs N] [--epochs N] [--logger csv|none]
+        [--devices N [--strategy ddp|fsdp2] [--rank-seed]] [--dump-state PREFIX] [--step-sleep S]
 
-Appends one JSON line per optimizer step to --losses: {"step", "loss" (float.hex), "pid"}.
+Appends one JSON line per optimizer step to --losses (``.rank{r}`` appended when --devices > 1):
+{"step", "loss" (float.hex), "pid", "samples" (dataset indices of the batch)}.
 --kill-at-step N sends SIGKILL to itself at the end of step N (before that step's save);
 the loss of a step is recorded in ``training_step``, so before any checkpoint of that step.
 """
@@ -15,6 +17,8 @@ import argparse
 import json
 import os
 import signal
+import sys
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -38,24 +42,37 @@ class Noisy(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
+        return self.x[i], self.y[i], i
 
 
 class Net(pl.LightningModule):
-    def __init__(self, losses: str) -> None:
+    def __init__(self, losses: str, fsdp2: bool = False, step_sleep: float = 0.0) -> None:
         super().__init__()
+        self.fsdp2 = fsdp2
+        self.step_sleep = step_sleep
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                        torch.nn.Linear(32, 1))
         self.losses_path = losses
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, idx = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.step_sleep:  # ranks that take different times per step (seconds triggers)
+            time.sleep(self.step_sleep * (self.global_rank + 1))
         self.log("train_loss", loss)
         with open(self.losses_path, "a") as f:  # written before any checkpoint of this step
             f.write(json.dumps({"step": self.trainer.global_step + 1, "loss": loss.item().hex(),
-                                "pid": os.getpid()}) + "\n")
+                                "pid": os.getpid(), "samples": idx.tolist()}) + "\n")
         return loss
+
+    def configure_model(self):
+        if self.fsdp2:  # FSDP2: shard each Linear and the root over the data-parallel mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[3]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -71,6 +88,31 @@ class KillAt(pl.Callback):
         # Under torchrun --max-restarts, only the first attempt is killed.
         if trainer.global_step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DumpState(pl.Callback):
+    """Writes the full (gathered) model and optimizer state, keyed by parameter name, at
+    every ``every``-th step (``PREFIX.stepN.pt``) and right after a resume
+    (``PREFIX.startN.pt``), on rank 0: a resharded resume must start from the saved state."""
+
+    def __init__(self, prefix: str, every: int) -> None:
+        self.prefix, self.every = prefix, every
+
+    def _dump(self, trainer, pl_module, tag: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, optim = get_state_dict(pl_module, trainer.optimizers, options=options)
+        if trainer.is_global_zero:
+            torch.save({"model": model, "optim": optim}, f"{self.prefix}.{tag}{trainer.global_step}.pt")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step > 0:
+            self._dump(trainer, pl_module, "start")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every == 0:
+            self._dump(trainer, pl_module, "step")
 
 
 class LimitFileSize(pl.Callback):
@@ -102,7 +144,13 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--logger", default="csv", choices=["csv", "none"])
     p.add_argument("--devices", type=int, default=1, help=">1: strategy='ddp' on CPU (gloo)")
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp2"],
+                   help="ddp, or fsdp2 (fully_shard through ModelParallelStrategy); used when --devices > 1 "
+                        "or --strategy is given explicitly")
     p.add_argument("--rank-seed", action="store_true", help="seed each rank differently")
+    p.add_argument("--dump-state", default=None, help="prefix of full model+optimizer dumps (see DumpState)")
+    p.add_argument("--freq-secs", type=int, default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps, times (rank + 1)")
     p.add_argument("--disk-full-at-step", type=int, default=None, help="limit file sizes (RLIMIT_FSIZE) from then on")
     args = p.parse_args()
 
@@ -115,19 +163,27 @@ def main() -> None:
         Loader = DataLoader
     loader = Loader(Noisy(), batch_size=4, shuffle=not args.no_shuffle, num_workers=args.workers)
     recover = RecoverCallback(fileroot=args.root, experiment_name="exp", trial_name="t", user="u",
-                              freq_steps=args.freq_steps, freq_epochs=args.freq_epochs, io_mode=args.io_mode)
+                              freq_steps=args.freq_steps, freq_epochs=args.freq_epochs, freq_secs=args.freq_secs,
+                              io_mode=args.io_mode)
     callbacks = [recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
+    if args.dump_state is not None:
+        callbacks.insert(0, DumpState(args.dump_state, args.freq_steps))
     if args.disk_full_at_step is not None:
         callbacks.insert(0, LimitFileSize(args.disk_full_at_step, 4096))
     logger = (pl.loggers.CSVLogger(os.path.join(args.root, "logs"), name="run", flush_logs_every_n_steps=1)
               if args.logger == "csv" else False)
+    explicit = any(a.startswith("--strategy") for a in sys.argv)
+    if args.strategy == "fsdp2":
+        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    else:
+        strategy = "ddp" if args.devices > 1 or explicit else "auto"
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, logger=logger,
-                         strategy="ddp" if args.devices > 1 else "auto",
+                         strategy=strategy,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks, log_every_n_steps=1)
-    trainer.fit(Net(losses), loader)
+    trainer.fit(Net(losses, fsdp2=args.strategy == "fsdp2", step_sleep=args.step_sleep), loader)
 
 
 if __name__ == "__main__":

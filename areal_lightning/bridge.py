@@ -1,0 +1,121 @@
+"""The strategy bridge: every rank writes its own shard through ``DCPCheckpointIO``.
+
+Lightning's base ``Strategy.save_checkpoint`` calls the ``CheckpointIO`` on global rank 0
+only, and ``FSDPStrategy`` (sharded) / ``ModelParallelStrategy`` bypass the ``CheckpointIO``
+and call DCP themselves. :func:`install_bridge` replaces the strategy instance's
+``save_checkpoint`` and ``load_checkpoint`` so that, for every strategy,
+
+* **every rank** calls :class:`~areal_lightning.checkpoint_io.DCPCheckpointIO` with its own
+  state, as one collective DCP save: replicated (DDP) tensors are written once, spread over
+  the ranks by DCP's de-duplication; sharded (FSDP1 ``ShardedTensor``/``DTensor``, FSDP2
+  ``DTensor``) tensors are written by the rank that holds each shard -- no rank gathers the
+  full model. The non-tensor part of the checkpoint is written by rank 0 only.
+* **loads** are rank-local reads of the shared directory into a template: the live sharded
+  model and optimizer state for FSDP / ModelParallel (so DCP reshards to the current world
+  size), freshly allocated tensors otherwise. For sharded strategies the loaded model and
+  optimizer states are applied with torch's ``set_model_state_dict`` /
+  ``set_optimizer_state_dict`` (those strategies' own ``load_model_state_dict`` are no-ops).
+
+The bridge is installed by :class:`~areal_lightning.RecoverCallback` and
+:class:`~areal_lightning.StagingWaitCallback` in their ``setup`` -- users keep writing
+``Trainer(strategy="ddp" | "fsdp" | ModelParallelStrategy(...), ...)``. It switches FSDP to
+``state_dict_type="sharded"`` and ``ModelParallelStrategy`` to
+``save_distributed_checkpoint=True`` (a full-state gather on rank 0 is what it avoids).
+
+Contract (as for any DCP save): a tensor stored under the same key on several ranks must
+hold the same value on each (true for DDP's parameters, buffers and optimizer states);
+per-rank state goes under per-rank keys (``RecoverCallback`` gathers RNG and dataloader
+positions into ``per_rank``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["install_bridge", "is_bridged", "is_sharded"]
+
+_SHARDED = (FSDPStrategy, ModelParallelStrategy)
+
+
+def is_sharded(strategy: Strategy) -> bool:
+    """Whether the strategy shards parameters (FSDP1 or ModelParallel/FSDP2)."""
+    return isinstance(strategy, _SHARDED)
+
+
+def is_bridged(strategy: Strategy) -> bool:
+    """Whether :func:`install_bridge` was applied to this strategy instance."""
+    return strategy.__dict__.get("_areal_bridge") is not None
+
+
+def _sharded_template(strategy: Strategy) -> dict[str, Any]:
+    """The live sharded model and optimizer states, keyed as Lightning's checkpoint is."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = strategy.model
+    return {
+        "state_dict": get_model_state_dict(model),
+        "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in strategy.optimizers],
+    }
+
+
+def _apply_sharded(strategy: Strategy, checkpoint: dict[str, Any]) -> None:
+    """Load model and optimizer states into the sharded model (the template was filled in
+    place; ``set_*_state_dict`` also covers copies made by ``cpu_offload``)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    strict = bool(getattr(strategy.lightning_module, "strict_loading", True))
+    model = strategy.model
+    set_model_state_dict(model, checkpoint["state_dict"], options=StateDictOptions(strict=strict))
+    states = checkpoint.get("optimizer_states", [])
+    for opt, state in zip(strategy.optimizers, states):
+        set_optimizer_state_dict(model, opt, optim_state_dict=state)
+
+
+def install_bridge(strategy: Strategy, io: Any) -> None:
+    """Make ``strategy`` save and load every rank's own state through ``io`` (a
+    :class:`~areal_lightning.checkpoint_io.DCPCheckpointIO`). Idempotent; see the module doc."""
+    if strategy.__dict__.get("_areal_bridge") is io:
+        return
+    if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type != "sharded":
+        log.info("areal_lightning: FSDPStrategy state_dict_type=%r -> 'sharded' (each rank writes its shard)",
+                 strategy._state_dict_type)
+        strategy._state_dict_type = "sharded"
+    if isinstance(strategy, ModelParallelStrategy) and not strategy._save_distributed_checkpoint:
+        log.info("areal_lightning: ModelParallelStrategy save_distributed_checkpoint -> True "
+                 "(each rank writes its shard)")
+        strategy._save_distributed_checkpoint = True
+    sharded = is_sharded(strategy)
+
+    def common_path(path: _PATH) -> str:
+        return str(path) if strategy.world_size == 1 else str(strategy.broadcast(str(path), src=0))
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"save_checkpoint: storage_options is not supported with DCPCheckpointIO "
+                            f"(got {storage_options!r})")
+        io.save_checkpoint(checkpoint, common_path(filepath))
+
+    def load_checkpoint(checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = common_path(checkpoint_path)
+        if not sharded:
+            return io.load_checkpoint(path, weights_only=weights_only)
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only, template=_sharded_template(strategy))
+        _apply_sharded(strategy, checkpoint)
+        return checkpoint
+
+    strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+    strategy.__dict__["_areal_bridge"] = io
+    io.engine.collective = True
+    log.debug("areal_lightning: bridge installed on %s", type(strategy).__name__)
+

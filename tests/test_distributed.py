@@ -1,0 +1,160 @@
+"""Multi-process RecoverCallback runs on 2 CPU ranks (gloo): DDP and FSDP2 (``fully_shard``
+through Lightning's ``ModelParallelStrategy``), killed with SIGKILL and started again with
+the same command; resharding 2 -> 1 and 1 -> 2 ranks; seconds triggers; torchrun restarts.
+
+Every case is a real training subprocess (tests/scripts/train_recover.py) with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from test_recover_e2e import REPO, SCRIPT, assert_exact, losses_by_step, reference, train
+
+pytestmark = pytest.mark.slow
+
+CKPT = Path("checkpoints/u/exp/t/default/recover_checkpoint")
+INFO = Path("checkpoints/u/exp/t/recover_info")
+
+
+def rank_losses(path: Path, rank: int) -> dict[int, set[str]]:
+    return losses_by_step(Path(f"{path}.rank{rank}"))
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_every_rank_wrote_its_shard(root: Path, sharded: bool) -> None:
+    ckpt = root / CKPT
+    files = sorted(p.name for p in ckpt.iterdir())
+    assert any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files), files
+    metadata = FileSystemReader(ckpt).read_metadata()
+    writers = {item.relative_path.split("_")[2] for item in metadata.storage_data.values()}
+    assert writers == {"0", "1"}, writers  # both ranks' files hold data the checkpoint uses
+    chunks = metadata.state_dict_metadata["state_dict.net.0.weight"].chunks
+    if sharded:  # FSDP2: each rank wrote its own half of the weight, nobody gathered it
+        assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (16, 0)]
+    else:  # DDP: replicated, stored once
+        assert len(chunks) == 1
+
+
+DIST_CASES = {
+    # name: (args, kill at step); 48 samples, batch 4, 2 ranks -> 6 steps per epoch. With async
+    # saves the last one may not be committed at the kill; the one before it surely is.
+    "fsdp2-async-plain-loader": (("--strategy", "fsdp2", "--io-mode", "async", "--freq-steps", "4",
+                                  "--epochs", "2"), 9),
+    "fsdp2-sync-stateful-loader-epoch-boundary": (
+        ("--strategy", "fsdp2", "--loader", "stateful", "--workers", "1", "--freq-steps", "6", "--epochs", "2"), 8),
+    "ddp-async-stateful-loader-mid-epoch": (
+        ("--strategy", "ddp", "--io-mode", "async", "--loader", "stateful", "--freq-steps", "2", "--epochs", "2"), 5),
+}
+
+
+@pytest.mark.parametrize("case", list(DIST_CASES))
+def test_sigkill_of_all_ranks_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factory, case) -> None:
+    extra, kill_at = DIST_CASES[case]
+    args = ("--devices", "2", "--rank-seed", "--logger", "none", *extra)
+    ref = tmp_path_factory.mktemp("dist_reference")
+    assert train(ref, ref / "losses.jsonl", *args).returncode == 0
+    losses = tmp_path / "losses.jsonl"
+    killed = train(tmp_path, losses, *args, "--kill-at-step", str(kill_at))
+    assert killed.returncode == -9
+    assert_every_rank_wrote_its_shard(tmp_path, sharded="fsdp2" in extra)
+    resumed = train(tmp_path, losses, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("RecoverCallback: resumed from") == 2  # one line per rank
+    for rank in (0, 1):
+        assert_exact(rank_losses(losses, rank), rank_losses(ref / "losses.jsonl", rank))
+    assert rank_losses(ref / "losses.jsonl", 0)[1] != rank_losses(ref / "losses.jsonl", 1)[1]
+
+
+def _equal(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for key in a:
+            _equal(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{path}.{i}")
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("strategy,old,new", [("fsdp2", 2, 1), ("ddp", 1, 2)])
+def test_resharding_resumes_model_optimizer_and_data_position(tmp_path, strategy, old, new) -> None:
+    """A recover checkpoint written by ``old`` ranks resumes on ``new`` ranks: the model and
+    optimizer state after the resume equal the saved ones (gathered by parameter name), and
+    the epoch's samples are each trained exactly once across both runs."""
+    args = ("--strategy", strategy, "--freq-steps", "4", "--epochs", "2", "--logger", "none",
+            "--dump-state", str(tmp_path / "state"))
+    killed = train(tmp_path, tmp_path / "old.jsonl", *args, "--devices", str(old), "--kill-at-step", "5")
+    assert killed.returncode == -9
+    resumed = train(tmp_path, tmp_path / "new.jsonl", *args, "--devices", str(new))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resharding the recover checkpoint written by {old} rank(s)" in resumed.stderr
+    _equal(torch.load(tmp_path / "state.step4.pt"), torch.load(tmp_path / "state.start4.pt"))
+
+    def samples(name: str, world: int, first: int, last: int) -> list[int]:
+        files = [tmp_path / name] if world == 1 else [Path(f"{tmp_path / name}.rank{r}") for r in range(world)]
+        return [s for f in files for row in rows(f) if first <= row["step"] <= last for s in row["samples"]]
+
+    before = samples("old.jsonl", old, 1, 4)  # trained and saved by the old world (step 5 was lost)
+    left = (48 - len(before)) // (4 * new)  # steps the new world needs to finish the epoch
+    after = samples("new.jsonl", new, 5, 4 + left)
+    assert sorted(before + after) == list(range(48))  # every sample of epoch 0 exactly once
+    assert samples("new.jsonl", new, 5 + left, 5 + left) != []  # and then the next epoch
+
+
+def test_resharding_refuses_a_position_that_does_not_map(tmp_path) -> None:
+    """3 batches trained on 1 rank cannot be split over 2 ranks: a clear error, nothing touched."""
+    args = ("--strategy", "ddp", "--freq-steps", "3", "--epochs", "1", "--logger", "none")
+    assert train(tmp_path, tmp_path / "old.jsonl", *args, "--devices", "1", "--kill-at-step", "4").returncode == -9
+    info_before = (tmp_path / INFO / "checkpoint_info.json").read_bytes()
+    resumed = train(tmp_path, tmp_path / "new.jsonl", *args, "--devices", "2")
+    assert resumed.returncode != 0
+    assert "resharding from 1 to 2 ranks" in resumed.stderr and "not a whole number of batches" in resumed.stderr
+    assert (tmp_path / INFO / "checkpoint_info.json").read_bytes() == info_before
+
+
+def test_seconds_trigger_under_two_ranks_never_deadlocks(tmp_path) -> None:
+    """Ranks reach the seconds trigger at different times (rank 1 steps twice as slowly): rank
+    0's decision is broadcast, so both save together and the run ends."""
+    proc = train(tmp_path, tmp_path / "losses.jsonl", "--devices", "2", "--freq-steps", "100000", "--freq-secs", "1",
+                 "--step-sleep", "0.06", "--epochs", "4", "--logger", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saves = proc.stderr.count("recover checkpoint ")
+    assert saves >= 2, proc.stderr[-3000:]  # at least one seconds-triggered save besides the final one
+    assert json.loads((tmp_path / INFO / "step_info.json").read_text())["global_step"] == 23
+
+
+def test_torchrun_max_restarts_resumes_each_restart_bit_for_bit(tmp_path, tmp_path_factory) -> None:
+    """``torchrun --nproc_per_node 2 --max-restarts 1 train.py``: both ranks die with SIGKILL
+    in the first attempt; torchelastic restarts them and the run resumes exactly."""
+    args = ("--devices", "2", "--rank-seed", "--freq-steps", "2", "--logger", "none")
+    want = {r: None for r in (0, 1)}
+    ref = tmp_path_factory.mktemp("torchrun_reference")
+    assert train(ref, ref / "losses.jsonl", *args).returncode == 0
+    for rank in want:
+        want[rank] = rank_losses(ref / "losses.jsonl", rank)
+    losses = tmp_path / "losses.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+           str(SCRIPT), "--root", str(tmp_path), "--losses", str(losses), *args, "--kill-at-step", "9"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("RecoverCallback: resumed from") == 2
+    for rank in (0, 1):
+        assert_exact(rank_losses(losses, rank), want[rank])
+        assert len({row["pid"] for row in rows(Path(f"{losses}.rank{rank}"))}) == 2  # killed once, restarted once
