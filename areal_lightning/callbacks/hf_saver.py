@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
@@ -17,6 +18,7 @@ from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, a
 from areal_lightning.engine import BackgroundWorker
 from areal_lightning.freq import FreqController
 from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
+from areal_lightning.hf_distributed import DEFAULT_SHARDED_METHOD, SHARDED_METHODS, DistributedHFExporter
 from areal_lightning.layout import TrialLayout
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 
@@ -44,6 +46,15 @@ class HFSaverCallback(Callback):
     twice. The trigger progress is part of Lightning's callback state, so a resumed run
     neither double-saves nor skips a save.
 
+    Multi-process runs (see :mod:`areal_lightning.hf_distributed`): every rank takes part in
+    each export and the files are written once, by rank 0. Under DDP rank 0 exports its
+    replica. Under FSDP2 / tensor parallelism (``DTensor`` parameters) no rank gathers the
+    model on its accelerator: ``sharded_method="gather"`` streams full tensors one at a time
+    to rank 0's host memory and writes with ``save_pretrained``; ``"dcp"`` has every rank
+    write its shards with DCP's ``HuggingFaceStorageWriter`` and rank 0 consolidate them.
+    Before each export, all ranks wait for their export in flight and agree it succeeded;
+    a failure on any rank is raised on every rank.
+
     Args:
         fileroot, experiment_name, trial_name, user: where the trial lives (``user=None``: OS user).
         name: the model's folder name (one callback per exported model, e.g. ``"critic"``).
@@ -55,6 +66,8 @@ class HFSaverCallback(Callback):
         tokenizer: a tokenizer to save with each export; else the module's ``tokenizer``
             attribute when present.
         max_shard_size: safetensors shard threshold (``"5GB"``, or bytes).
+        sharded_method: ``"gather"`` (default) or ``"dcp"``: how sharded (``DTensor``) weights
+            are exported in a multi-process run.
 
     Example:
         >>> saver = HFSaverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
@@ -77,6 +90,7 @@ class HFSaverCallback(Callback):
         model_attr: ModelAttr = "model",
         tokenizer: Any = None,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        sharded_method: str = DEFAULT_SHARDED_METHOD,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -92,16 +106,20 @@ class HFSaverCallback(Callback):
             raise ConfigError("model_attr", f"expected an attribute name or a callable, got {model_attr!r}")
         if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
             raise ConfigError("max_shard_size", f"expected bytes (int) or a size string like '5GB', got {max_shard_size!r}")
+        if sharded_method not in SHARDED_METHODS:
+            raise ConfigError("sharded_method", f"unknown method {sharded_method!r}; allowed: {', '.join(SHARDED_METHODS)}")
         self.config: SaverConfig = exp.saver
         self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
         self.model_attr = model_attr
         self.tokenizer = tokenizer
         self.max_shard_size = max_shard_size
+        self.sharded_method = sharded_method
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self._epoch_start_step = 0
         self.last_export: Path | None = None
         self.resolved_mode: str | None = None
         self._worker: BackgroundWorker | None = None
+        self._dist: DistributedHFExporter | None = None  # multi-process runs
         self._last_seen_step = -1
         self.telemetry = Telemetry()
 
@@ -113,8 +131,8 @@ class HFSaverCallback(Callback):
 
         Uses the top-level ``fileroot`` / ``experiment_name`` / ``trial_name`` / ``user`` and
         the ``saver:`` section; ``kwargs`` (``name``, ``model_attr``, ``tokenizer``,
-        ``max_shard_size``) are passed through. ``strict=False`` ignores unknown top-level
-        keys (for configs that also hold your model and data settings).
+        ``max_shard_size``, ``sharded_method``) are passed through. ``strict=False`` ignores
+        unknown top-level keys (for configs that also hold your model and data settings).
 
         Example:
             >>> HFSaverCallback.from_config({"fileroot": "/tmp/x", "experiment_name": "e",
@@ -192,8 +210,9 @@ class HFSaverCallback(Callback):
         return mode
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Wait for the export in flight; raise its failure (never swallowed)."""
-        self._close_worker(raise_failure=True)
+        """Wait for the export in flight; raise its failure (never swallowed). In a
+        multi-process run all ranks agree first, so a failure is raised on every rank."""
+        self._close_worker(raise_failure=True, agree=True)
         self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -203,7 +222,10 @@ class HFSaverCallback(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._close_worker(raise_failure=True)
 
-    def _close_worker(self, raise_failure: bool) -> None:
+    def _close_worker(self, raise_failure: bool, agree: bool = False) -> None:
+        exporter, self._dist = self._dist, None
+        if exporter is not None:
+            exporter.close(agree=agree, raise_failure=raise_failure)
         worker, self._worker = self._worker, None
         if worker is None:
             return
@@ -241,7 +263,10 @@ class HFSaverCallback(Callback):
     # -- saving ----------------------------------------------------------------------------
 
     def save(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Path | None:
-        """Export now, named after the last completed step; return the folder (rank 0) or ``None``."""
+        """Export now, named after the last completed step; return the folder (rank 0) or ``None``.
+
+        In a multi-process run this is collective: every rank must call it (the triggers
+        do); rank 0 writes and returns the folder, the other ranks return ``None``."""
         steps = trainer.global_step
         if steps <= 0:
             return None
@@ -249,6 +274,8 @@ class HFSaverCallback(Callback):
         final = self.layout.export_dir(
             self.name, trainer.current_epoch, max(steps - self._epoch_start_step - 1, 0), steps - 1
         )
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            return self._save_distributed(trainer, pl_module, final, steps)
         if not trainer.is_global_zero:
             return None
         start = time.perf_counter()
@@ -269,11 +296,35 @@ class HFSaverCallback(Callback):
         self.last_export = final
         return final
 
+    def _save_distributed(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", final: Path, steps: int
+    ) -> Path | None:
+        """Every rank takes part (collective); rank 0 writes and returns the folder."""
+        start = time.perf_counter()
+        if self._dist is None:
+            if self.resolved_mode is None:
+                self.resolved_mode = self._resolve_mode(trainer)
+            self._dist = DistributedHFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
+                                               max_shard_size=self.max_shard_size, name=self.name)
+        model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
+
+        def published(path: Path, blocked: float | None) -> None:
+            self._published(path, start, steps, blocked)
+
+        out = self._dist.export(model, final, tokenizer, on_published=published)
+        if out is not None:
+            self.last_export = out
+        return out
+
     def _write(
         self, model: Any, tokenizer: Any, final: Path, staged: dict | None, tmp: Path | None, start: float,
         step: int, blocked: float | None = None,
     ) -> None:
         export_hf(model, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size, tmp_dir=tmp)
+        self._published(final, start, step, blocked)
+
+    def _published(self, final: Path, start: float, step: int, blocked: float | None) -> None:
+        """Rank 0, once ``final`` is in place: telemetry, ``max_keep`` pruning, stale temp cleanup."""
         total = time.perf_counter() - start
         self.telemetry.record(SaveReport("hf", step, str(final), total if blocked is None else blocked, total,
                                          folder_bytes(final)))
