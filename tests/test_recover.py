@@ -7,6 +7,7 @@ Crashes here are exceptions raised from a callback (fast); the SIGKILL matrix is
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -407,3 +408,26 @@ def test_deleting_recover_info_after_a_crash_before_the_swap_still_starts_fresh(
     shutil.rmtree(trial(tmp_path) / "recover_info")
     module = run(tmp_path)
     assert min(module.losses) == 1
+
+
+class _Opaque:
+    """A hyper-parameter value that is not a tensor, container or primitive."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_auto_resume_unpickles_with_weights_only_unless_told_otherwise(tmp_path) -> None:
+    """Auto-resume loads the non-tensor state with weights_only=True: an arbitrary object in
+    the hyper-parameters is refused with an explanation (nothing touched); allowlisting the
+    type or weights_only=False (trusted storage) resumes."""
+    run(tmp_path, crash_at=6, module_kwargs={"opaque": _Opaque(3)})
+    before = snapshot(tmp_path)
+    with pytest.raises(pickle.UnpicklingError, match="weights_only=True.*add_safe_globals"):
+        run(tmp_path, module_kwargs={"opaque": _Opaque(3)})
+    assert snapshot(tmp_path) == before
+    with torch.serialization.safe_globals([_Opaque]):
+        resumed = run(tmp_path, module_kwargs={"opaque": _Opaque(3)})
+    assert min(resumed.losses) == 5  # the checkpoint of step 4
+    module = run(tmp_path, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs={"weights_only": False}, max_epochs=3)
+    assert min(module.losses) == max(resumed.losses) + 1  # resumed from its end, trusting the storage

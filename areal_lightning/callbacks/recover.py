@@ -149,6 +149,10 @@ class RecoverCallback(Callback):
             (also the LightningModule's ``on_resume(trainer, step_info)`` if defined).
         io_mode: mode of the installed ``DCPCheckpointIO`` (``auto``, ``sync``, ``async``).
         name: the model folder holding ``recover_checkpoint/``.
+        weights_only: unpickle the checkpoint's non-tensor state as ``torch.load(...,
+            weights_only=True)`` does (default). Hyper-parameters holding other objects are
+            then refused with an explanation: allowlist their types with
+            ``torch.serialization.add_safe_globals``, or pass ``False`` for trusted storage.
 
     Example:
         >>> recover = RecoverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
@@ -171,6 +175,7 @@ class RecoverCallback(Callback):
         on_resume: Callable[["pl.Trainer", "pl.LightningModule", StepInfo], None] | None = None,
         io_mode: str = "auto",
         name: str = "default",
+        weights_only: bool = True,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -189,7 +194,10 @@ class RecoverCallback(Callback):
         self.name = validate_model_name(name, "name")
         self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
         self.store = RecoverStore(self.layout, self.name)
+        if not isinstance(weights_only, bool):
+            raise ConfigError("weights_only", f"expected True or False, got {weights_only!r}")
         self.io_mode = io_mode
+        self.weights_only = weights_only
         self.on_resume = on_resume
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self.tracker = LoaderTracker()
@@ -292,9 +300,9 @@ class RecoverCallback(Callback):
                                            self._plan.info["checkpoint_info.json"]["global_step"])
             self._resuming = True
             self._last_durable = _parse_time(self._plan.info["checkpoint_info.json"].get("commit_time"))
-            # Our own checkpoint from the trial's folder: its non-tensor state (e.g. the module's
-            # hyper-parameters) may hold arbitrary Python objects (see the README's security note).
-            original_resume(str(self._plan.path), False)
+            # The non-tensor state is unpickled with weights_only=True unless the user opted out
+            # (hyper-parameters holding arbitrary objects; see the README's security note).
+            original_resume(str(self._plan.path), self.weights_only)
             loaded = connector._loaded_checkpoint.get("global_step")
             want = self._plan.info["checkpoint_info.json"]["global_step"]
             if loaded != want:

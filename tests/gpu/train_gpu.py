@@ -1,0 +1,92 @@
+"""GPU training job for tests/gpu: a small MLP with dropout, AdamW, ``strategy="fsdp"`` or
+``"ddp"`` on up to 2 GPUs (NCCL), RecoverCallback with sync or async (pinned staging) saves.
+
+Writes ``losses.rank{r}.jsonl`` (one line per step, float.hex) and ``report.rank{r}.json``
+(backend, whether the async stager's host buffers are pinned) into --root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from areal_lightning import RecoverCallback
+
+warnings.filterwarnings("ignore")
+
+
+class Net(pl.LightningModule):
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(256, 1))
+        self.root = root
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        with open(self.root / f"losses.rank{self.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.global_step + 1, "loss": loss.item().hex()}) + "\n")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class KillAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Report(pl.Callback):
+    def on_train_end(self, trainer, pl_module) -> None:
+        io = trainer.strategy.checkpoint_io
+        stager = io.engine._worker._stager._stager  # the engine's long-lived DefaultStager
+        pinned = None
+        if stager is not None:
+            cache = stager._state_dict_stager._cached_storage_mapping  # source storage -> host buffer
+            buffers = [b for b in cache.values() if b.nbytes() >= 1024]
+            pinned = bool(buffers) and all(b.is_pinned() for b in buffers)
+        report = {"backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+                  "pinned_staging": pinned, "io_mode": io.resolved_mode, "strategy": type(trainer.strategy).__name__,
+                  "devices": trainer.num_devices, "gpu": torch.cuda.get_device_name()}
+        (pl_module.root / f"report.rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"])
+    p.add_argument("--io-mode", default="async")
+    p.add_argument("--kill-at-step", type=int, default=None)
+    args = p.parse_args()
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(0, workers=True, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(512, 64, generator=g), torch.randn(512, 1, generator=g))
+    callbacks = [RecoverCallback(fileroot=root, experiment_name="exp", trial_name="t", user="u", freq_steps=5,
+                                 io_mode=args.io_mode), Report()]
+    if args.kill_at_step is not None:
+        callbacks.insert(0, KillAt(args.kill_at_step))
+    trainer = pl.Trainer(max_epochs=2, accelerator="gpu", devices=args.devices, strategy=args.strategy, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks, deterministic=True)
+    trainer.fit(Net(root), DataLoader(data, batch_size=16, shuffle=True))
+
+
+if __name__ == "__main__":
+    main()
