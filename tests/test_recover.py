@@ -431,3 +431,25 @@ def test_auto_resume_unpickles_with_weights_only_unless_told_otherwise(tmp_path)
     assert min(resumed.losses) == 5  # the checkpoint of step 4
     module = run(tmp_path, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs={"weights_only": False}, max_epochs=3)
     assert min(module.losses) == max(resumed.losses) + 1  # resumed from its end, trusting the storage
+
+
+def test_resharding_maps_a_distributed_sampler_position_or_explains_why_not() -> None:
+    """Mid-epoch positions map by samples consumed when exact; otherwise a clear error (the
+    2-process runs in tests/test_distributed.py prove the mapped runs train every sample once)."""
+    from areal_lightning.state.data import remap_position
+
+    def state(batches: int, sampler: str = "DistributedSampler", stateful: bool = False) -> dict:
+        return {"at_boundary": False, "loaders": {"0": {"batches_done": batches, "sampler": sampler,
+                                                        "stateful": stateful, "batch_size": 4}}}
+
+    assert remap_position(state(3), 2, 1)["loaders"]["0"]["batches_done"] == 6
+    assert remap_position(state(4), 1, 2)["loaders"]["0"]["batches_done"] == 2
+    assert remap_position(state(3), 4, 2)["loaders"]["0"]["batches_done"] == 6
+    assert remap_position({"at_boundary": True, "loaders": {}}, 1, 8) == {"at_boundary": True, "loaders": {}}
+    with pytest.raises(ValueError, match="after 3 batches of the epoch on each of 1 ranks, 3 batches in all; that is "
+                                         "not a whole number of batches for each of 2 ranks"):
+        remap_position(state(3), 1, 2)
+    with pytest.raises(ValueError, match="RandomSampler sampler, whose position cannot be mapped to 2 ranks"):
+        remap_position(state(4, "RandomSampler"), 1, 2)
+    with pytest.raises(ValueError, match="cannot be mapped"):
+        remap_position(state(4, stateful=True), 2, 1)
