@@ -150,3 +150,17 @@ def test_torchrun_max_restarts_resumes_each_restart_bit_for_bit(tmp_path, tmp_pa
     for rank in (0, 1):
         assert_exact(rank_losses(losses, rank), want[rank])
         assert len({row["pid"] for row in rows(Path(f"{losses}.rank{rank}"))}) == 2  # killed once, restarted once
+
+
+@pytest.mark.parametrize("strategy,io_mode", [("fsdp2", "async"), ("ddp", "sync")])
+def test_trainer_save_checkpoint_with_dcp_io_writes_every_rank_and_resumes(tmp_path, strategy, io_mode) -> None:
+    """Without RecoverCallback: ``plugins=[DCPCheckpointIO()], callbacks=[StagingWaitCallback()]``
+    and ``trainer.save_checkpoint`` under 2 ranks; a new Trainer's ``fit(ckpt_path=...)``
+    starts from exactly the saved model and optimizer state."""
+    script = Path(__file__).parent / "scripts" / "save_checkpoint_dcp.py"
+    proc = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--strategy", strategy,
+                           "--io-mode", io_mode], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert ".metadata" in files and any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files)
+    _equal(torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt"))
