@@ -5,6 +5,9 @@
 - ``areal-lightning inspect PATH [--verify] [--json] [--user U --experiment E --trial T]``: a
   read-only report of the exports and the recover checkpoint of trials (exit 0 valid, 1 invalid,
   2 usage error).
+- ``areal-lightning certify [--points all|P1,P2] [--modes sync,async] [--json FILE] [--timeout S]
+  -- <training command with {root} {mode}>``: SIGKILL the command at every fault point, rerun it,
+  check the exact resume (exit 0 all passed, 1 a case failed, 2 usage error).
 """
 
 from __future__ import annotations
@@ -60,6 +63,18 @@ def _inspect(args: argparse.Namespace) -> int:
                        experiment=args.experiment, trial=args.trial)
 
 
+def _certify(args: argparse.Namespace) -> int:
+    from areal_lightning.certify import CertifyUsageError, certify
+
+    try:
+        return certify(args.command, points=args.points or "all", modes=args.modes, timeout=args.timeout,
+                       jobs=args.jobs, nth=args.nth, workdir=args.workdir, keep=args.keep, json_path=args.json,
+                       strict=args.strict, chain=args.chain)
+    except CertifyUsageError as exc:
+        print(f"areal-lightning certify: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="areal-lightning", description=__doc__)
@@ -87,6 +102,41 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--experiment", default=None, help="only trials of this experiment")
     insp.add_argument("--trial", default=None, help="only trials with this name")
     insp.set_defaults(func=_inspect)
+    cert = sub.add_parser(
+        "certify", help="SIGKILL a training command at every checkpoint fault point and prove it resumes exactly",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "For each mode: run the command once uninterrupted (the reference); then for each fault point,\n"
+            "run it with AREAL_LIGHTNING_FAULT=<point>:kill@N in a fresh {root}, kill its whole process group\n"
+            "when the point fires, run it again, and check that it resumed from the last committed\n"
+            "checkpoint, that every per-step loss equals the reference bit for bit, that no temporary\n"
+            "folder is left and that every HF export loads (and equals the reference's).\n\n"
+            "The command must use RecoverCallback with fileroot={root}, take the mode from {mode}, and\n"
+            "record its losses: add areal_lightning.certify.LossRecorder() to the Trainer's callbacks (or\n"
+            "append {\"step\": int, \"loss\": float.hex(), \"rank\": int} JSON lines to the file {losses}).\n"
+            "{root}, {mode}, {losses} are also in $AREAL_LIGHTNING_CERTIFY_ROOT/_MODE/_LOSSES.\n\n"
+            "Exit code 0: no case failed; 1: a case or a reference run failed (--strict: or a point was\n"
+            "not reached); 2: usage error."),
+        epilog="example:\n  areal-lightning certify --modes sync,async --jobs 2 -- python train.py "
+               "--fileroot {root} --io-mode {mode}")
+    cert.add_argument("--points", action="append", default=None,
+                      help="'all' (default) or comma-separated fault points, each optionally with @N "
+                           "(kill at the N-th hit); MODE=... for one mode only (repeat the option)")
+    cert.add_argument("--modes", default="sync,async",
+                      help="comma-separated values substituted for {mode} (default: sync,async)")
+    cert.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    cert.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per run (default 600)")
+    cert.add_argument("--jobs", type=int, default=1, help="cases run in parallel (default 1)")
+    cert.add_argument("--nth", type=int, default=None,
+                      help="kill at the N-th hit of each point (default: the middle hit of the reference run)")
+    cert.add_argument("--workdir", default=None, help="empty folder for the runs (default: a new temporary one)")
+    cert.add_argument("--keep", action="store_true", help="keep the folders of passing cases too")
+    cert.add_argument("--strict", action="store_true", help="exit 1 also when a point is never reached")
+    cert.add_argument("--chain", action="store_true",
+                      help="faster: each rerun is itself killed at the next point (one run per case instead of "
+                           "two; --jobs chains per mode); the final checks run after the last, clean run")
+    cert.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+    cert.set_defaults(func=_certify)
     return parser
 
 

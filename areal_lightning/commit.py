@@ -51,6 +51,7 @@ def publish_dir(tmp: Path, final: Path) -> None:
     fault_point("commit.before_rename")
     if final.exists():
         remove_dir(final)
+        fault_point("commit.publish.old_removed")
     os.rename(tmp, final)
     fsync_dir(final.parent)
     fault_point("commit.after_rename")
@@ -59,10 +60,12 @@ def publish_dir(tmp: Path, final: Path) -> None:
 def remove_dir(path: Path) -> None:
     """Delete a folder: rename it to a hidden trash sibling first, then remove the trash."""
     trash = tmp_sibling(path, prefix=TRASH_PREFIX)
+    fault_point("commit.remove_dir.begin")
     os.rename(path, trash)
     fsync_dir(path.parent)
     fault_point("commit.remove_renamed")
     shutil.rmtree(trash)
+    fault_point("commit.remove_dir.done")
 
 
 def clean_stale_tmp(parent: Path, keep: tuple[Path, ...] = ()) -> list[Path]:
@@ -91,5 +94,6 @@ def atomic_write_json(path: Path, data: Any) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+    fault_point("commit.json.before_replace")
     os.replace(tmp, path)
     fsync_dir(path.parent)

@@ -355,6 +355,39 @@ class _CommitWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         fault_point("engine.after_staging")
 
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        from areal_lightning._fault import fault_enabled
+
+        if not fault_enabled():
+            return super().write_data(plan, planner)
+        import contextlib
+
+        # Fault point "engine.after_shard_file" after each shard file is written, fsynced and
+        # closed. DCP writes the files from its writer threads (and an async save runs this in
+        # a background thread): a "kill" SIGKILLs the whole process from any of them; a
+        # "raise" in a writer thread is re-raised here, so the save fails as a whole.
+        errors: list[BaseException] = []
+        create_stream = self.fs.create_stream
+
+        @contextlib.contextmanager
+        def stream_then_fault(path: Any, mode: str) -> Any:
+            with create_stream(path, mode) as stream:
+                yield stream
+            try:
+                fault_point("engine.after_shard_file")
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        self.fs.create_stream = stream_then_fault  # this writer's own FileSystem, for this call only
+        try:
+            result = super().write_data(plan, planner)
+        finally:
+            del self.fs.create_stream
+        if errors:
+            raise errors[0]
+        return result
+
     def finish(self, metadata: Metadata, results: list) -> None:
         fault_point("engine.before_commit")
         super().finish(metadata, results)
@@ -368,6 +401,12 @@ def _flat_save_planner() -> DefaultSavePlanner:
     """Our dict is already flat; DCP must store the skeleton as ONE byte item, untouched
     (its flattening passes rebuild nested dicts with string keys)."""
     return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _load_trusted(value: io.BytesIO) -> Any:
+    """Unpickle without restrictions: only when the caller passed ``weights_only=False``
+    (e.g. ``RecoverCallback(weights_only=False)`` for storage it trusts)."""
+    return torch.load(value, weights_only=False)
 
 
 class _TemplateLoadPlanner(DefaultLoadPlanner):
@@ -387,7 +426,11 @@ class _TemplateLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             with torch.serialization.safe_globals([_TensorSlot]):
-                self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=self._weights_only)
+                if self._weights_only is False:  # the caller's explicit choice (trusted storage)
+                    obj = _load_trusted(value)
+                else:  # None (default) and True: weights-only, whatever torch's default is
+                    obj = torch.load(value, weights_only=True)
+            self.state_dict[read_item.dest_index.fqn] = obj
         except pickle.UnpicklingError as exc:
             self.refused = exc
             raise

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-__all__ = ["FreqController"]
+__all__ = ["FreqController", "EpochPosition"]
 
 
 class FreqController:
@@ -105,3 +105,45 @@ class FreqController:
         """Restore progress; the frequencies given to ``__init__`` (the current config) win."""
         self.last_fired_step = state.get("last_fired_step")
         self._last_time = self._clock() - float(state.get("secs_since_fire", 0.0))
+
+
+class EpochPosition:
+    """The current epoch and its first global step, for export names and ``step_info``.
+
+    Lightning does not call ``on_train_epoch_start`` for the epoch a run resumes into from
+    a checkpoint taken at an epoch boundary; :meth:`train_started` (call it from
+    ``on_train_start``) catches up then.
+
+    Example:
+        >>> pos = EpochPosition()
+        >>> pos.start_step = 12
+        >>> pos.epoch_step(15)  # the 0-based index in the epoch of the step that made global_step 15
+        2
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.start_step = 0
+
+    def epoch_started(self, trainer: Any) -> None:
+        """Record the epoch Lightning starts now (``on_train_epoch_start``)."""
+        self.epoch = trainer.current_epoch
+        self.start_step = trainer.global_step
+
+    def train_started(self, trainer: Any) -> None:
+        """After a resume at an epoch boundary, the restored position is the previous epoch's."""
+        if trainer.current_epoch != self.epoch:
+            self.epoch_started(trainer)
+
+    def epoch_step(self, global_step: int) -> int:
+        """0-based index within the epoch of the step after which ``global_step`` steps are done."""
+        return max(global_step - self.start_step - 1, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-friendly position."""
+        return {"epoch_start_step": self.start_step, "epoch_index": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by :meth:`state_dict` (missing keys count as 0)."""
+        self.start_step = int(state.get("epoch_start_step", 0))
+        self.epoch = int(state.get("epoch_index", 0))

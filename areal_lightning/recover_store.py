@@ -178,6 +178,7 @@ class RecoverStore:
             if name == "checkpoint_info.json":
                 fault_point("recover.info.before_checkpoint_info")
             atomic_write_json(tmp_info / name, content)
+            fault_point("recover.info.after_file")
         fsync_dir(tmp_info)
         fault_point("recover.swap.begin")
         self._finish_swap(gen)

@@ -97,33 +97,16 @@ def test_sigkill_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factor
     assert_exact(got, want)
     # Steps between the checkpoint and the kill ran twice, with identical losses.
     assert any(len(v) == 1 for v in got.values())
-    info = tmp_path / "checkpoints" / "u" / "exp" / "t" / "recover_info"
-    assert json.loads((info / "step_info.json").read_text())["global_step"] == max(want) - 1
+    key = tuple(a for a in args if not a.startswith("--io-mode") and a not in ("sync", "async"))
+    info = Path("checkpoints") / "u" / "exp" / "t" / "recover_info" / "step_info.json"
+    # The final position (epoch, step in epoch, global step) equals the uninterrupted run's,
+    # also after a resume at an epoch boundary (Lightning skips that epoch's start hook).
+    assert json.loads((tmp_path / info).read_text()) == json.loads((_REFERENCE_ROOT[key] / info).read_text())
+    assert json.loads((tmp_path / info).read_text())["global_step"] == max(want) - 1
     # The logger continued its version instead of starting a new one, and the rows the
     # interrupted run had flushed are kept: the CSV equals the uninterrupted run's.
     assert [p.name for p in (tmp_path / "logs" / "run").iterdir()] == ["version_0"]
-    key = tuple(a for a in args if not a.startswith("--io-mode") and a not in ("sync", "async"))
     assert logged_losses(tmp_path) == logged_losses(_REFERENCE_ROOT[key])
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("point", ["engine.before_commit", "engine.after_commit", "recover.info.before_checkpoint_info",
-                                   "recover.swap.begin",
-                                   "recover.swap.old_checkpoint_moved", "recover.swap.new_checkpoint_in_place",
-                                   "recover.swap.old_info_moved"])
-def test_sigkill_while_the_checkpoint_is_written(tmp_path, tmp_path_factory, mode, point) -> None:
-    """Killed during the 2nd save (step 10): resumes from step 5 or 10, never a mix, exact."""
-    args = ("--io-mode", mode)
-    want = reference(tmp_path_factory, args)
-    losses = tmp_path / "losses.jsonl"
-    killed = train(tmp_path, losses, *args, env={"AREAL_LIGHTNING_FAULT": f"{point}:kill@2"})
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = train(tmp_path, losses, *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_exact(losses_by_step(losses), want)
-    trial = tmp_path / "checkpoints" / "u" / "exp" / "t"
-    leftovers = [p.name for p in (trial / "default").iterdir()] + [p.name for p in trial.iterdir()]
-    assert sorted(leftovers) == [".lock", "default", "recover_checkpoint", "recover_info"]  # no temp folders
 
 
 def test_rerunning_a_finished_run_does_nothing(tmp_path) -> None:

@@ -16,7 +16,7 @@ from areal_lightning._fault import fault_point
 from areal_lightning.commit import clean_stale_tmp, remove_dir
 from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import BackgroundWorker
-from areal_lightning.freq import FreqController
+from areal_lightning.freq import EpochPosition, FreqController
 from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
 from areal_lightning.hf_distributed import DEFAULT_SHARDED_METHOD, SHARDED_METHODS, DistributedHFExporter
 from areal_lightning.layout import TrialLayout
@@ -115,7 +115,7 @@ class HFSaverCallback(Callback):
         self.max_shard_size = max_shard_size
         self.sharded_method = sharded_method
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
-        self._epoch_start_step = 0
+        self.position = EpochPosition()
         self.last_export: Path | None = None
         self.resolved_mode: str | None = None
         self._worker: BackgroundWorker | None = None
@@ -236,8 +236,12 @@ class HFSaverCallback(Callback):
                 raise
             log.error("HFSaverCallback(name=%r): the export in flight failed too: %s", self.name, err)
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """After a resume at an epoch boundary Lightning skips ``on_train_epoch_start``."""
+        self.position.train_started(trainer)
+
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._epoch_start_step = trainer.global_step
+        self.position.epoch_started(trainer)
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -272,7 +276,7 @@ class HFSaverCallback(Callback):
             return None
         self.freq.mark_fired(steps)
         final = self.layout.export_dir(
-            self.name, trainer.current_epoch, max(steps - self._epoch_start_step - 1, 0), steps - 1
+            self.name, trainer.current_epoch, self.position.epoch_step(steps), steps - 1
         )
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             return self._save_distributed(trainer, pl_module, final, steps)
@@ -345,13 +349,13 @@ class HFSaverCallback(Callback):
         """Trigger progress, the current epoch's first step and the last export (JSON-friendly)."""
         return {
             "freq": self.freq.state_dict(),
-            "epoch_start_step": self._epoch_start_step,
+            **self.position.state_dict(),
             "last_export": str(self.last_export) if self.last_export else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore progress; the current config's frequencies stay in force."""
         self.freq.load_state_dict(state_dict.get("freq", {}))
-        self._epoch_start_step = int(state_dict.get("epoch_start_step", 0))
+        self.position.load_state_dict(state_dict)
         last = state_dict.get("last_export")
         self.last_export = Path(last) if last else None

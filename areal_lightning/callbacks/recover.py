@@ -23,7 +23,7 @@ from areal_lightning.bridge import install_bridge
 from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
 from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import CheckpointCorruptError
-from areal_lightning.freq import FreqController
+from areal_lightning.freq import EpochPosition, FreqController
 from areal_lightning.layout import TrialLayout
 from areal_lightning.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore, TrialLock
 from areal_lightning.state.data import LoaderTracker, is_stateful_loader, remap_position
@@ -207,8 +207,7 @@ class RecoverCallback(Callback):
         self._pending_rng: dict[str, Any] | None = None
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
         self._boundary_rng_applied = False
-        self._epoch_start_step = 0
-        self._epoch_index = 0
+        self.position = EpochPosition()
         self._saving_at_boundary: bool | None = None
         self._io: DCPCheckpointIO | None = None
         self._lock: TrialLock | None = None
@@ -411,8 +410,7 @@ class RecoverCallback(Callback):
     # -- triggers ----------------------------------------------------------------------------
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._epoch_start_step = trainer.global_step
-        self._epoch_index = trainer.current_epoch
+        self.position.epoch_started(trainer)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         """An async save may still copy the weights: wait before the optimizer changes them."""
@@ -478,8 +476,7 @@ class RecoverCallback(Callback):
         n = trainer.num_training_batches
         per_epoch = math.ceil(n / trainer.accumulate_grad_batches) if n != float("inf") else None
         # The epoch of the last step (after the last epoch Lightning's counter has moved on).
-        epoch = self._epoch_index
-        return StepInfo(epoch=epoch, epoch_step=max(steps - self._epoch_start_step - 1, 0),
+        return StepInfo(epoch=self.position.epoch, epoch_step=self.position.epoch_step(steps),
                         global_step=steps - 1, steps_per_epoch=per_epoch)
 
     def save(self, trainer: "pl.Trainer") -> None:
@@ -567,8 +564,7 @@ class RecoverCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Trigger progress, RNG states and the train loaders' position (no pickled objects)."""
-        state: dict[str, Any] = {"freq": self.freq.state_dict(), "epoch_start_step": self._epoch_start_step,
-                                 "epoch_index": self._epoch_index}
+        state: dict[str, Any] = {"freq": self.freq.state_dict(), **self.position.state_dict()}
         boundary = self._saving_at_boundary
         if boundary is not None:  # only our own saves carry RNG and data position
             trainer = self._trainer_ref
@@ -605,8 +601,7 @@ class RecoverCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.freq.load_state_dict(state_dict.get("freq", {}))
-        self._epoch_start_step = int(state_dict.get("epoch_start_step", 0))
-        self._epoch_index = int(state_dict.get("epoch_index", 0))
+        self.position.load_state_dict(state_dict)
         state_dict = self._own_rank_state(state_dict)
         if "rng" in state_dict:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
             data, self._remapped = self._remapped or state_dict["data"], None
@@ -647,6 +642,7 @@ class RecoverCallback(Callback):
                 progress[key] += shift
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.position.train_started(trainer)
         rng, self._pending_rng = self._pending_rng, None
         if rng is None:
             return
