@@ -51,9 +51,10 @@ def assert_every_rank_wrote_its_shard(root: Path, sharded: bool) -> None:
 DIST_CASES = {
     # name: (args, kill at step); 48 samples, batch 4, 2 ranks -> 6 steps per epoch. With async
     # saves the last one may not be committed at the kill; the one before it surely is.
-    # + a seconds trigger while rank 1 steps twice as slowly as rank 0: rank 0 decides, both save
+    # + a seconds trigger while rank 1 steps twice as slowly as rank 0 (0.4 s per step, so
+    # 1 s passes within every 4 steps): rank 0 decides, both save
     "fsdp2-async-plain-loader-seconds-trigger": (
-        ("--strategy", "fsdp2", "--io-mode", "async", "--freq-steps", "4", "--freq-secs", "1", "--step-sleep", "0.1",
+        ("--strategy", "fsdp2", "--io-mode", "async", "--freq-steps", "4", "--freq-secs", "1", "--step-sleep", "0.2",
          "--epochs", "2"), 9),
     "fsdp2-sync-stateful-loader-epoch-boundary": (
         ("--strategy", "fsdp2", "--loader", "stateful", "--workers", "1", "--freq-steps", "6", "--epochs", "2"), 8),
@@ -142,9 +143,12 @@ def test_torchrun_max_restarts_resumes_each_restart_bit_for_bit(tmp_path, tmp_pa
     want = {rank: rank_losses(ref / "losses.jsonl", rank) for rank in (0, 1)}
     losses = tmp_path / "losses.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
            str(SCRIPT), "--root", str(tmp_path), "--losses", str(losses), *args, "--kill-at-step", "9"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ))
+    # torch 2.13's agent keeps one TCPStore for all restarts: restarted gloo workers may read
+    # their dead peers' addresses and fail (connectFullMesh) or hang. The README tells users
+    # to set this, and RecoverCallback warns under torchrun --max-restarts without it.
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("RecoverCallback: resumed from") == 2
     for rank in (0, 1):

@@ -27,12 +27,16 @@ class Probe(pl.Callback):
     def __init__(self) -> None:
         self.samples: dict[int, tuple[float, int, int, int]] = {}
 
+    def _sample(self, trainer, key: int) -> None:
+        trainer.callbacks[-1]._io.engine.wait()  # the save in flight is durable
+        self.samples[key] = (rss_mib(), len(os.listdir("/proc/self/fd")), threading.active_count(), len(_children()))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step in (10, 200):  # after the 10th save (warm) and after the last
-            trainer.callbacks[-1]._io.engine.wait()  # the save in flight is done
-            self.samples[step] = (rss_mib(), len(os.listdir("/proc/self/fd")), threading.active_count(),
-                                  len(_children()))
+        if trainer.global_step == 2:  # runs before this step's save: the first save (step 1) is done
+            self._sample(trainer, 1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._sample(trainer, 200)  # runs after the recover callback's hooks: the 200th save is done
 
 
 def _children() -> list[str]:
@@ -67,7 +71,7 @@ def test_200_async_saves_keep_rss_fds_threads_children_flat(tmp_path) -> None:
     trainer = pl.Trainer(max_steps=200, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, recover])
     trainer.fit(Wide(), DataLoader(torch.randn(800, 64), batch_size=4))
-    (rss0, fds0, threads0, kids0), (rss1, fds1, threads1, kids1) = probe.samples[10], probe.samples[200]
+    (rss0, fds0, threads0, kids0), (rss1, fds1, threads1, kids1) = probe.samples[1], probe.samples[200]
     print(f"soak: RSS {rss0:.1f} -> {rss1:.1f} MiB ({(rss1 / rss0 - 1) * 100:+.1f}%), fds {fds0} -> {fds1}, "
           f"threads {threads0} -> {threads1}, children {kids0} -> {kids1}")
     assert rss1 <= rss0 * 1.10

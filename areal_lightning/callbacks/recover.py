@@ -101,6 +101,21 @@ def _keep_csv_rows(logger: Any, steps_done: int) -> None:
     writer.metrics_keys = keys + [k for k in writer.metrics_keys if k not in keys]
 
 
+def _warn_torchrun_shared_store() -> None:
+    """Under ``torchrun --max-restarts N``, torch 2.13's agent shares one TCPStore across
+    restarts: restarted gloo workers can read their dead peers' addresses and fail
+    (``Gloo connectFullMesh failed``) or hang. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` set
+    for torchrun gives each restart a fresh store."""
+    import os
+
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if (restarts.isdigit() and int(restarts) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("RANK", "0") == "0"):
+        log.warning("RecoverCallback: torchrun --max-restarts with a shared agent store: restarted gloo workers may "
+                    "fail to connect (torch reuses the store across restarts). Start torchrun with "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that every restart resumes.")
+
+
 def _family(strategy_name: str) -> str:
     """``sharded`` (FSDP, ModelParallel: optimizer state keyed by parameter name) or
     ``replicated`` (single device, DDP: keyed by parameter index)."""
@@ -191,6 +206,7 @@ class RecoverCallback(Callback):
             raise ConfigError("on_resume", f"expected a callable fn(trainer, module, step_info), got {on_resume!r}")
         self.config = exp.recover
         self.experiment = exp
+        _warn_torchrun_shared_store()
         self.name = validate_model_name(name, "name")
         self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
         self.store = RecoverStore(self.layout, self.name)
