@@ -188,3 +188,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # as torch recommends for every multi-process script
+        torch.distributed.destroy_process_group()
