@@ -21,7 +21,7 @@ from areal_lightning._fault import fault_point
 from areal_lightning.commit import publish_dir
 from areal_lightning.layout import tmp_sibling
 
-__all__ = ["export_hf", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["export_hf", "finish_export", "DEFAULT_MAX_SHARD_SIZE"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,16 @@ def prepare_tmp(final: Path) -> Path:
     tmp = tmp_sibling(final)
     tmp.mkdir()
     return tmp
+
+
+def finish_export(tmp: Path, final_dir: Path, tokenizer: Any = None) -> None:
+    """Once weights and config are in ``tmp``: save the tokenizer there, then publish ``tmp``
+    as ``final_dir`` atomically (fault points ``hf.after_weights``, ``hf.before_publish``)."""
+    fault_point("hf.after_weights")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    fault_point("hf.before_publish")
+    publish_dir(tmp, final_dir)
 
 
 def export_hf(
@@ -85,11 +95,7 @@ def export_hf(
                 state_dict=dict(state_dict) if state_dict is not None else None,
                 max_shard_size=max_shard_size,
             )
-        fault_point("hf.after_weights")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        fault_point("hf.before_publish")
-        publish_dir(tmp, final_dir)
+        finish_export(tmp, final_dir, tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -91,10 +91,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from areal_lightning._fault import fault_point
-from areal_lightning.commit import publish_dir
 from areal_lightning.engine import BackgroundWorker, CheckpointWriteError
-from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, _quiet_hf_progress, export_hf, prepare_tmp
+from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, _quiet_hf_progress, export_hf, finish_export, prepare_tmp
 
 __all__ = [
     "SHARDED_METHODS",
@@ -366,11 +364,7 @@ def write_hf_dcp(
             return None
         _finish_dcp_folder(tmp_dir, plan, extras, {**shards, **extras}, int(model.num_parameters()))
         _save_hf_metadata(model, tmp_dir)
-        fault_point("hf.after_weights")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp_dir)
-        fault_point("hf.before_publish")
-        publish_dir(tmp_dir, final_dir)
+        finish_export(tmp_dir, final_dir, tokenizer)
     except BaseException:
         if lead:
             shutil.rmtree(tmp_dir, ignore_errors=True)
