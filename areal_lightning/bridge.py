@@ -38,9 +38,11 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 
 log = logging.getLogger(__name__)
 
-__all__ = ["install_bridge", "is_bridged", "is_sharded"]
+__all__ = ["install_bridge", "is_bridged", "is_sharded", "SHARDED_STRATEGY_NAMES"]
 
 _SHARDED = (FSDPStrategy, ModelParallelStrategy)
+SHARDED_STRATEGY_NAMES = tuple(cls.__name__ for cls in _SHARDED)
+"""Class names of the sharded strategies (as recorded in ``checkpoint_info.json``)."""
 
 
 def is_sharded(strategy: Strategy) -> bool:

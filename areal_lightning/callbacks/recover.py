@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from areal_lightning.bridge import install_bridge
+from areal_lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge
 from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
 from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import CheckpointCorruptError
@@ -119,7 +119,7 @@ def _warn_torchrun_shared_store() -> None:
 def _family(strategy_name: str) -> str:
     """``sharded`` (FSDP, ModelParallel: optimizer state keyed by parameter name) or
     ``replicated`` (single device, DDP: keyed by parameter index)."""
-    return "sharded" if strategy_name in ("FSDPStrategy", "ModelParallelStrategy") else "replicated"
+    return "sharded" if strategy_name in SHARDED_STRATEGY_NAMES else "replicated"
 
 
 def _parse_time(value: Any) -> float | None:
@@ -652,7 +652,8 @@ class RecoverCallback(Callback):
         self._remapped = data
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {}).get("current")
         if not data["at_boundary"] and progress:
-            done = max(int(entry["batches_done"]) for entry in data["loaders"].values())
+            done = max((int(entry["batches_done"]) for entry in data["loaders"].values()),
+                       default=progress["processed"])
             shift = done - progress["processed"]
             for key in ("ready", "started", "processed", "completed"):
                 progress[key] += shift

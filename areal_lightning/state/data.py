@@ -35,6 +35,7 @@ import logging
 from typing import Any, Callable, Iterator
 
 import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader
 
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
@@ -49,8 +50,9 @@ def is_stateful_loader(loader: Any) -> bool:
 
 def _inner_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (else ``sampler``)."""
-    wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)
-    return wrapped if wrapped is not None and type(sampler).__name__ == "DistributedSamplerWrapper" else sampler
+    if isinstance(sampler, DistributedSamplerWrapper):
+        return getattr(sampler.dataset, "_sampler", sampler)
+    return sampler
 
 
 def _index_sampler(loader: Any) -> Any:
@@ -73,9 +75,7 @@ def restores_itself(loader: Any) -> bool:
     loader whose sampler is stateful or deterministic. Under DDP Lightning wraps a
     ``StatefulDataLoader``'s sampler into a ``DistributedSamplerWrapper``, whose permutation
     the loader's state does not hold; such loaders are replayed like a plain ``DataLoader``."""
-    if not is_stateful_loader(loader):
-        return False
-    return type(_index_sampler(loader)).__name__ != "DistributedSamplerWrapper"
+    return is_stateful_loader(loader) and not isinstance(_index_sampler(loader), DistributedSamplerWrapper)
 
 
 def _resumable_subclass(cls: type) -> type:
@@ -243,8 +243,9 @@ class LoaderTracker:
             gen = _sampler_generator(loader)
             if at_boundary and gen is not None:
                 entry["sampler_generator"] = gen.get_state()
-            entry["sampler"] = type(_index_sampler(loader)).__name__
-            epoch = getattr(_index_sampler(loader), "epoch", None)
+            sampler = _index_sampler(loader)
+            entry["sampler"] = type(sampler).__name__
+            epoch = getattr(sampler, "epoch", None)
             if isinstance(epoch, int):  # DistributedSampler: the epoch its permutation is (next) drawn for
                 entry["sampler_epoch"] = epoch + 1 if at_boundary else epoch
             loaders[str(index)] = entry
@@ -277,6 +278,7 @@ class LoaderTracker:
     def _iterate(self, loader: Any, index: int, make_iter: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         self._loaders[index] = loader  # the object Lightning iterates (it may have re-created it)
         pending = self._pending.pop(index, None)
+        gen = _sampler_generator(loader)
         if pending is not None:
             want_bs = pending.get("batch_size")
             if want_bs is not None and getattr(loader, "batch_size", want_bs) != want_bs:
@@ -294,11 +296,9 @@ class LoaderTracker:
             if pending.get("rng") is not None:
                 torch.set_rng_state(pending["rng"].to(torch.uint8))
             gen_state = pending.get("sampler_generator")
-            gen = _sampler_generator(loader)
             if gen_state is not None and gen is not None:
                 gen.set_state(gen_state.to(torch.uint8))
         self._iter_rng[index] = torch.get_rng_state()
-        gen = _sampler_generator(loader)
         if gen is not None:
             self._iter_gen[index] = gen.get_state()
         self._first_rng.pop(index, None)
