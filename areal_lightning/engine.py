@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import io
 import logging
 import os
@@ -101,6 +102,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_point
+from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.commit import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -135,45 +137,143 @@ _IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]" = weakref.WeakV
 
 
 def staging_options() -> StagingOptions:
-    """Staging options for this build: pinned + shared memory and non-blocking copies only
-    where an accelerator exists (``DefaultStager()`` with default options raises on
-    CPU-only builds). Staging always runs in the stager's background thread."""
+    """Staging options for this build: pinned memory and non-blocking copies only where an
+    accelerator exists (``DefaultStager()`` with default options raises on CPU-only builds).
+    Never shared memory: saves run in a thread of this process (DCP's THREAD checkpointer),
+    and ``/dev/shm`` is small in containers (64 MB by default in Docker: SIGBUS). The copy
+    runs in :class:`HostStager`'s own thread, so the stager itself stages synchronously."""
     accel = torch.accelerator.is_available()
     return StagingOptions(
         use_pinned_memory=accel,
-        use_shared_memory=accel,
-        use_async_staging=True,
+        use_shared_memory=False,
+        use_async_staging=False,
         use_non_blocking_copy=accel,
     )
 
 
-class HostStager:
-    """One long-lived ``DefaultStager``; its host buffers are cached by source storage and
-    reused by every later staging of the same tensors (no growth across saves).
+def _cuda_device() -> torch.device | None:
+    """The calling thread's current CUDA device, or ``None`` without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
-    Not thread-safe: use it from one thread. A staged dict stays valid until the next
-    staging of the same tensors overwrites the buffers."""
+
+def bind_thread_to(device: torch.device | None) -> None:
+    """Make a background thread use ``device`` (from :func:`_cuda_device` in the thread that
+    started it): a new thread's CUDA calls default to GPU 0, which would create a context
+    there on every rank."""
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
+def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[Mapping[str, Any]], dict[str, Any]]]:
+    """Replace every ``ShardedTensor`` (FSDP1's sharded state dicts) of a flat dict by its
+    local shard tensors, which any stager copies; return that dict and the function that
+    rebuilds the ``ShardedTensor`` s around the staged copies (same global metadata, shards
+    placed on CPU). DCP's own stager cannot copy a ``ShardedTensor`` (it calls
+    ``data_ptr()``, which ``ShardedTensor`` refuses)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    plain: dict[str, Any] = {}
+    sharded: dict[str, tuple[ShardedTensor, list[str]]] = {}
+    for key, value in state.items():
+        if isinstance(value, ShardedTensor):
+            keys = [f"{key}\x00shard{i}" for i in range(len(value.local_shards()))]
+            for k, shard in zip(keys, value.local_shards()):
+                plain[k] = shard.tensor
+            sharded[key] = (value, keys)
+        else:
+            plain[key] = value
+    if not sharded:
+        return plain, dict
+
+    def rebuild(staged: Mapping[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in staged.items() if "\x00shard" not in k}
+        for key, (source, keys) in sharded.items():
+            meta = copy.copy(source.metadata())
+            meta.shards_metadata = [
+                dataclasses.replace(m, placement=f"rank:{m.placement.rank()}/cpu") for m in meta.shards_metadata
+            ]
+            shards = [Shard(staged[k], dataclasses.replace(s.metadata, placement=f"rank:{s.metadata.placement.rank()}/cpu"))
+                      for k, s in zip(keys, source.local_shards())]
+            out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, meta, process_group=source._process_group)
+        return out
+
+    return plain, rebuild
+
+
+class HostStager:
+    """Copies state dicts to long-lived host buffers in its own thread; implements the
+    ``stage`` / ``synchronize_staging`` / ``close`` protocol ``dcp.async_save`` expects of
+    an ``async_stager``.
+
+    * Buffers come from one ``DefaultStager``, cached by source storage and reused by every
+      later staging of the same tensors (no growth across saves); pinned on CUDA.
+    * ``ShardedTensor`` s (FSDP1) are staged through their local shards.
+    * CUDA: the copy is ordered after the work queued so far on the caller's current
+      stream (an event recorded at :meth:`stage`, waited for on the copying thread's
+      stream), and the copying thread uses the caller's device.
+
+    Use it from one thread. A staged dict stays valid until the next staging of the same
+    tensors overwrites the buffers."""
+
+    should_synchronize_after_execute = False
 
     def __init__(self) -> None:
         self._stager: DefaultStager | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._last: Future | None = None
 
-    @property
-    def dcp_stager(self) -> DefaultStager:
-        """The underlying ``DefaultStager`` (created on first use), for ``dcp.async_save``."""
-        if self._stager is None:
+    def stage(self, state_dict: Mapping[str, Any]) -> Future:
+        """Start copying ``state_dict`` to host in the stager's thread; the future holds the copy."""
+        if self._executor is None:
             self._stager = DefaultStager(staging_options())
-        return self._stager
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal-stage",
+                                                initializer=bind_thread_to, initargs=(_cuda_device(),))
+        ready = None
+        if _cuda_device() is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # on the caller's current stream: what training queued so far
+        plain, rebuild = _unshard_views(state_dict)
+        stager = self._stager
+
+        def copy_now() -> dict[str, Any]:
+            if ready is None:
+                return rebuild(stager.stage(plain))
+            stream = torch.cuda.Stream()
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                staged = stager.stage(plain)  # non-blocking copies on this stream, then a sync
+            return rebuild(staged)
+
+        self._last = self._executor.submit(copy_now)
+        return self._last
+
+    def synchronize_staging(self) -> None:
+        """Wait for the last staging (DCP's protocol)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
 
     def stage_to_host(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``state_dict`` into the reused host buffers and return the copy (blocking)."""
-        staged = self.dcp_stager.stage(dict(state_dict))
-        return staged.result() if isinstance(staged, Future) else staged
+        return self.stage(state_dict).result()
+
+    @property
+    def dcp_stager(self) -> "HostStager":
+        """This stager, as ``dcp.async_save(async_stager=...)`` takes it."""
+        return self
 
     def close(self) -> None:
-        """Free the host buffers; the next use builds a fresh stager."""
+        """Free the host buffers and the thread; the next use builds fresh ones."""
+        self.synchronize_staging()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        self._last = None
 
 
 # --------------------------------------------------------------------------------------
@@ -552,13 +652,16 @@ class DCPEngine:
             group is initialized; ``False`` means rank-local saves (``no_dist``).
     """
 
-    def __init__(self, *, thread_count: int = 2, collective: bool = False) -> None:
+    def __init__(self, *, thread_count: int = 2, collective: bool = False,
+                 collective_timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         self.thread_count = thread_count
         self.collective = collective
+        self.ranks = CheckpointGroup(collective_timeout)
+        """The dedicated gloo group (with its own timeout) of collective saves."""
         self._worker = BackgroundWorker("areal-dcp")
-        self._gloo: dict[bool, dist.ProcessGroup] = {}
+        self._local_group: dist.ProcessGroup | None = None
 
     @property
     def in_flight(self) -> str | None:
@@ -581,19 +684,30 @@ class DCPEngine:
         for durability. Raises :class:`CheckpointWriteError` naming ``path`` on failure.
         ``on_commit`` runs on the coordinator right after the commit marker is durable (in
         the background for async saves); its failure is the save's failure."""
-        self._worker.wait()
         path = Path(path)
-        fault_point("engine.before_staging")
-        flat = _split(state)
-        rank = dist.get_rank() if self._is_collective() else 0
-        if rank != 0:
-            # Collective save: rank 0's skeleton describes the checkpoint; the others'
-            # contribute tensors only (DCP would keep one arbitrary rank's byte item).
-            flat.pop(_SKELETON_KEY)
-        _invalidate(path, withdraw_marker=rank == 0)
-        writer = _CommitWriter(
-            path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, on_commit=on_commit
-        )
+        collective = self._is_collective()
+        rank = dist.get_rank() if collective else 0
+        error: BaseException | None = None
+        try:
+            self._worker.wait()
+            fault_point("engine.before_staging")
+            flat = _split(state)
+            if rank != 0:
+                # Collective save: rank 0's skeleton describes the checkpoint; the others'
+                # contribute tensors only (DCP would keep one arbitrary rank's byte item).
+                flat.pop(_SKELETON_KEY)
+            _invalidate(path, withdraw_marker=rank == 0)
+            writer = _CommitWriter(
+                path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, on_commit=on_commit
+            )
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the agreement (on every rank)
+            if not collective:
+                raise
+            error = exc
+        if collective:
+            # No rank enters DCP's collectives unless every rank is ready: a failure here on
+            # one rank is an error on all of them, not a hang.
+            self.ranks.agree(error, f"checkpoint save to {path}")
         if not asynchronous:
             try:
                 dcp.save(flat, storage_writer=writer, planner=_flat_save_planner(), **self._dist_kwargs(background=False))
@@ -703,16 +817,13 @@ class DCPEngine:
             return {"no_dist": True}
         if not self._is_collective():
             # Rank-local call. dcp.async_save still checks that its group has a CPU backend.
-            return {"no_dist": True, "process_group": self._gloo_group(local=True) if background else None}
-        return {"process_group": self._gloo_group(local=False) if background else None}
+            return {"no_dist": True, "process_group": self._rank_local_group() if background else None}
+        # Sync and async collective saves: DCP's exchanges run on the dedicated gloo group,
+        # bounded by its timeout (and, in the background, sharing nothing with training).
+        return {"process_group": self.ranks.group}
 
-    def _gloo_group(self, *, local: bool) -> dist.ProcessGroup:
-        """The dedicated gloo group for background collectives, created once per kind. For
-        rank-local calls it holds only this rank (created without involving the others);
-        for collective saves it holds every rank (created by all ranks together)."""
-        if local not in self._gloo:
-            if local:
-                self._gloo[local] = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
-            else:
-                self._gloo[local] = dist.new_group(backend="gloo")
-        return self._gloo[local]
+    def _rank_local_group(self) -> dist.ProcessGroup:
+        """A gloo group of this rank alone (created without involving the others)."""
+        if self._local_group is None:
+            self._local_group = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        return self._local_group

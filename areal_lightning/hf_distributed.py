@@ -75,6 +75,7 @@ safetensors headers carry no ``{"format": "pt"}`` metadata and list tensors in i
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import json
 import logging
@@ -91,6 +92,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.engine import BackgroundWorker, CheckpointWriteError
 from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, _quiet_hf_progress, export_hf, finish_export, prepare_tmp
 
@@ -100,6 +102,8 @@ __all__ = [
     "DistributedHFExporter",
     "is_sharded",
     "export_state_dict",
+    "fsdp1_root",
+    "fsdp1_state",
     "gather_to_host",
     "split_for_dcp",
     "write_hf_dcp",
@@ -137,8 +141,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
 # What to write
 
 
-def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` without tied aliases: exactly the keys ``save_pretrained`` writes.
+def export_state_dict(model: torch.nn.Module, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``model.state_dict()`` (or ``state``, keyed like it) without tied aliases: exactly the
+    keys ``save_pretrained`` writes.
 
     Aliases are found from the module tree (the same parameter object under several names,
     e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``), not from tensor storage:
@@ -146,7 +151,7 @@ def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     is kept is decided by transformers' own ``remove_tied_weights_from_state_dict``, so the
     export reloads (and re-ties) like a ``save_pretrained`` one.
     """
-    state = model.state_dict()
+    state = model.state_dict() if state is None else state
     groups: dict[int, list[str]] = collections.defaultdict(list)
     named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
@@ -191,6 +196,78 @@ def gather_to_host(state_dict: Mapping[str, torch.Tensor], dst: int = 0) -> dict
     return out
 
 
+def fsdp1_root(module: Any) -> torch.nn.Module | None:
+    """``module`` if it is a torch FSDP1 ``FullyShardedDataParallel`` root (Lightning's
+    ``FSDPStrategy`` wraps the whole LightningModule in one), else ``None``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return module if isinstance(module, FullyShardedDataParallel) else None
+
+
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _prefix_in(root: torch.nn.Module, model: torch.nn.Module) -> str:
+    """The state-dict prefix of ``model`` inside ``root`` (wrapper names removed), e.g. ``"model."``."""
+    for name, module in root.named_modules():
+        if module is model:
+            clean = ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+            return f"{clean}." if clean else ""
+    raise ValueError(f"{type(model).__name__} is not a submodule of the FSDP-wrapped {type(root).__name__}")
+
+
+@torch.no_grad()
+def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, Any] | None:
+    """The export weights of ``model`` (a submodule of the FSDP1 ``root``), keyed like
+    ``model.state_dict()``, without tied aliases. Collective: every rank must call it.
+
+    ``full=True``: torch's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``:
+    FSDP1 unshards one wrapped unit at a time (the root's own parameters stay unsharded
+    while its children are visited) and moves each full tensor to rank 0's host memory;
+    returns the full tensors on rank 0 (never aliasing live weights) and ``None`` elsewhere.
+    ``full=False``: this rank's ``ShardedTensor`` shards (FSDP1's sharded state dict), for
+    the ``"dcp"`` method."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # cpu_offload (which makes FSDP1 keep the full tensors on rank 0 only) only for weights on
+    # an accelerator: FSDP1's offload of CPU parameters reads freed memory (a segfault seen
+    # with torch 2.13 on CPU/gloo), and on CPU the full tensors are host memory anyway.
+    on_device = any(p.device.type != "cpu" for p in root.parameters())
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
+    state = get_model_state_dict(root, options=options)
+    if full and dist.get_rank() != 0:
+        return None
+    prefix = _prefix_in(root, model)
+    own = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    if full:
+        live = {p.untyped_storage().data_ptr() for p in root.parameters() if p.numel()}
+        for key, value in own.items():
+            if isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().data_ptr() in live:
+                own[key] = value.clone()  # e.g. NO_SHARD on CPU: the full tensor is the live one
+    return export_state_dict(model, own)
+
+
+def meta_twin(model: Any) -> Any:
+    """A parameter-less twin of a ``PreTrainedModel`` (same class, config, generation config
+    and dtype; parameters on the ``meta`` device) for ``save_pretrained(state_dict=...)`` in a
+    background thread. FSDP1 (``use_orig_params=True``) swaps the live model's parameters
+    for plain tensors during forward and backward, so a background ``save_pretrained`` of
+    the live model would see no parameters (``model.dtype`` raises ``StopIteration``)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    with torch.device("meta"):
+        twin = type(model)(copy.deepcopy(model.config))
+    twin.to(dtype=dtype)
+    if getattr(model, "generation_config", None) is not None:
+        twin.generation_config = copy.deepcopy(model.generation_config)
+    return twin
+
+
+def _is_sharded_tensor(tensor: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(tensor, ShardedTensor)
+
+
 def split_for_dcp(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Split ``state_dict`` into the part DCP consolidation can write and the rest.
 
@@ -201,8 +278,11 @@ def split_for_dcp(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     shards: dict[str, torch.Tensor] = {}
     extras: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        if tensor.dtype in _CONSOLIDATABLE and tensor.dim() > 0:
+        if tensor.dtype in _CONSOLIDATABLE and len(tensor.shape) > 0:
             shards[name] = tensor
+        elif _is_sharded_tensor(tensor):
+            raise CheckpointWriteError(f"DCP HF export: {name!r} is a sharded {tensor.dtype} tensor, which DCP "
+                                       "cannot consolidate; use sharded_method='gather'")
         else:
             extras[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return shards, extras
@@ -261,7 +341,7 @@ def _check_shard_coverage(sharded_dir: Path, expected: Mapping[str, torch.Tensor
         for name, info in _read_header(path).items():
             if name != "__metadata__":
                 written[name] += math.prod(info["shape"])
-    missing = [name for name, t in expected.items() if written.get(name, 0) != t.numel()]
+    missing = [name for name, t in expected.items() if written.get(name, 0) != math.prod(t.shape)]
     if missing:
         raise CheckpointWriteError(
             f"DCP HF export to {sharded_dir.parent}: shards of {len(missing)} tensors (e.g. {missing[0]!r}) are "
@@ -386,6 +466,8 @@ class DistributedHFExporter:
         max_shard_size: safetensors shard threshold (bytes or a string such as ``"5GB"``).
         name: names the background thread (``areal-hf-{name}``).
         thread_count: consolidation threads for ``"dcp"``.
+        collective_timeout: seconds each agreement and DCP collective of an export waits for
+            the other ranks (see :mod:`areal_lightning.collective`).
 
     Every rank must call :meth:`export` and :meth:`close` together, in the same order.
     """
@@ -398,37 +480,29 @@ class DistributedHFExporter:
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
         name: str = "default",
         thread_count: int = 1,
+        collective_timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.method = validate_method(method)
         self.asynchronous = asynchronous
         self.max_shard_size = max_shard_size
         self.thread_count = thread_count
         self._worker: BackgroundWorker | None = BackgroundWorker(f"areal-hf-{name}") if asynchronous else None
-        self._group: dist.ProcessGroup | None = None
+        self._ranks = CheckpointGroup(collective_timeout)
         self._pending: str | None = None  # the folder of the export in flight (for messages)
+        self._twin: tuple[Any, Any] | None = None  # (live model, its meta twin) for FSDP1
         self._closed = False
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """The dedicated gloo group (created on first use; collective over all ranks)."""
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return self._group
+        """The dedicated gloo group, with ``collective_timeout`` (created on first use; collective)."""
+        return self._ranks.group
 
     # -- agreement --------------------------------------------------------------------------
 
     def _agree(self, error: BaseException | None, label: str | None, payload: Any = None) -> list[Any]:
         """All ranks learn whether every rank succeeded; raise on every rank if not.
         Returns every rank's ``payload``. Collective, training thread, nothing in flight."""
-        reports: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, (None if error is None else repr(error)[:500], payload), group=self.group)
-        if error is not None:
-            raise error
-        failed = [(rank, msg) for rank, (msg, _) in enumerate(reports) if msg is not None]
-        if failed:
-            rank, msg = failed[0]
-            raise CheckpointWriteError(f"HF export {label} failed on rank {rank}: {msg}")
-        return [value for _, value in reports]
+        return self._ranks.agree(error, f"HF export {label}", payload)
 
     def settle(self) -> None:
         """Wait for this rank's export in flight, then agree with all ranks that every one
@@ -465,9 +539,12 @@ class DistributedHFExporter:
     # -- export -----------------------------------------------------------------------------
 
     def export(self, model: Any, final_dir: Path, tokenizer: Any = None,
-               on_published: PublishHook | None = None) -> Path | None:
+               on_published: PublishHook | None = None, fsdp_root: torch.nn.Module | None = None) -> Path | None:
         """Export ``model`` to ``final_dir``; collective. Returns ``final_dir`` on rank 0
         (published for sync, scheduled for async), ``None`` on the other ranks.
+        ``fsdp_root``: the FSDP1 module wrapping ``model`` (Lightning's ``FSDPStrategy``):
+        its parameters are flat shards, so the weights come from torch's FSDP1 state dicts
+        (see :func:`fsdp1_state`), with every rank taking part.
 
         Steps: settle the previous async export (all ranks); take the host copy or gather
         (training thread); agree that every rank is ready; then write (sync) and agree
@@ -480,15 +557,16 @@ class DistributedHFExporter:
         if self._worker is not None:
             self.settle()  # (a sync export already agreed when it finished)
         lead = dist.get_rank() == 0
-        dcp_method = self.method == "dcp" and is_sharded(model)
+        sharded = fsdp_root is not None or is_sharded(model)
+        dcp_method = self.method == "dcp" and sharded
         error: BaseException | None = None
         write: Callable[[Path | None], Any] | None = None
         tmp: Path | None = None
         try:
             if dcp_method:
-                write = self._prepare_dcp(model, final_dir, tokenizer)
+                write = self._prepare_dcp(model, final_dir, tokenizer, fsdp_root)
             else:
-                write = self._prepare_rank0(model, final_dir, tokenizer, lead)
+                write = self._prepare_rank0(model, final_dir, tokenizer, lead, fsdp_root)
             if lead and (dcp_method or self._worker is not None):
                 tmp = prepare_tmp(final_dir)
         except (Exception, CheckpointException) as exc:
@@ -515,11 +593,14 @@ class DistributedHFExporter:
         self._agree(error, str(final_dir))
         return final_dir if lead else None
 
-    def _prepare_rank0(self, model: Any, final: Path, tokenizer: Any,
-                       lead: bool) -> Callable[[Path | None], Any] | None:
-        """Replicated weights: rank 0's own copy. Sharded: the streamed gather to rank 0.
-        Returns rank 0's write (``None`` elsewhere)."""
-        if is_sharded(model):
+    def _prepare_rank0(self, model: Any, final: Path, tokenizer: Any, lead: bool,
+                       fsdp_root: torch.nn.Module | None) -> Callable[[Path | None], Any] | None:
+        """Replicated weights: rank 0's own copy. Sharded: the streamed gather to rank 0
+        (FSDP1: its full state dict, one unit at a time). Returns rank 0's write (``None``
+        elsewhere)."""
+        if fsdp_root is not None:
+            staged = fsdp1_state(fsdp_root, model, full=True)  # collective: training thread
+        elif is_sharded(model):
             staged = gather_to_host(export_state_dict(model))  # collective: training thread
         elif self._worker is not None and lead:
             staged = self._worker.stage_to_host(model.state_dict())
@@ -527,22 +608,35 @@ class DistributedHFExporter:
             staged = None  # sync: save_pretrained reads the live (replicated) weights
         if not lead:
             return None
-        return lambda tmp: export_hf(model, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size,
+        writer = self._writer_model(model, fsdp_root)
+        return lambda tmp: export_hf(writer, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size,
                                      tmp_dir=tmp)
 
-    def _prepare_dcp(self, model: Any, final: Path, tokenizer: Any) -> Callable[[Path | None], Any]:
+    def _writer_model(self, model: Any, fsdp_root: torch.nn.Module | None) -> Any:
+        """The model ``save_pretrained`` is called on: the live one, or for FSDP1 its
+        :func:`meta_twin` (made once, on the training thread)."""
+        if fsdp_root is None:
+            return model
+        if self._twin is None or self._twin[0] is not model:
+            self._twin = (model, meta_twin(model))
+        return self._twin[1]
+
+    def _prepare_dcp(self, model: Any, final: Path, tokenizer: Any,
+                     fsdp_root: torch.nn.Module | None) -> Callable[[Path | None], Any]:
         """Every rank writes its shards (see :func:`write_hf_dcp`); async: from host copies."""
-        state = export_state_dict(model)
+        state = fsdp1_state(fsdp_root, model, full=False) if fsdp_root is not None else export_state_dict(model)
+        assert state is not None
         shards, extras = split_for_dcp(state)
         plan = HFFilePlan(state, shards, self.max_shard_size)
         if self._worker is not None:
             staged = self._worker.stage_to_host({**shards, **extras})
             shards, extras = {k: staged[k] for k in shards}, {k: staged[k] for k in extras}
         group = self.group
+        writer = self._writer_model(model, fsdp_root) if dist.get_rank() == 0 else model
 
         def write(tmp: Path | None) -> Any:
             assert tmp is not None
-            return write_hf_dcp(model, final, tokenizer, shards, extras, plan=plan, tmp_dir=tmp, process_group=group,
+            return write_hf_dcp(writer, final, tokenizer, shards, extras, plan=plan, tmp_dir=tmp, process_group=group,
                                 thread_count=self.thread_count)
 
         return write

@@ -25,6 +25,9 @@ __all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name"]
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+SHARED_CHECK_PREFIX = ".shared-check-"
+"""A file rank 0 writes into the trial folder at setup (and removes) so that every rank
+can prove it sees the same storage (:func:`areal_lightning.collective.check_shared_storage`)."""
 RESERVED_NAMES = ("recover_info",)
 
 

@@ -17,6 +17,7 @@ checkpoint plus, while a save is being written, the new one.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import fcntl
 import json
 import logging
@@ -84,6 +85,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+"""``flock`` errors of file systems without locks (some NFS and FUSE mounts)."""
+
+
 class TrialLock:
     """An exclusive ``flock`` on ``{trial}/.lock`` while a run writes the trial.
 
@@ -109,6 +114,13 @@ class TrialLock:
             raise RuntimeError(
                 f"{self.path.parent} is being trained by another process (pid {holder}); two runs must not "
                 "write the same trial. Stop the other run or use another trial_name.") from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_FLOCK:
+                raise
+            log.warning("%s: this file system does not support flock (%s); the trial is not protected against "
+                        "a second run training it at the same time", self.path, exc)
+            return
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd

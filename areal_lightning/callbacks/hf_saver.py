@@ -13,12 +13,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
+from areal_lightning.collective import DEFAULT_TIMEOUT_S, validate_timeout
 from areal_lightning.commit import clean_stale_tmp, remove_dir
 from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import BackgroundWorker
 from areal_lightning.freq import EpochPosition, FreqController
 from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
-from areal_lightning.hf_distributed import DEFAULT_SHARDED_METHOD, SHARDED_METHODS, DistributedHFExporter
+from areal_lightning.hf_distributed import DEFAULT_SHARDED_METHOD, SHARDED_METHODS, DistributedHFExporter, fsdp1_root
 from areal_lightning.layout import TrialLayout
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 
@@ -68,6 +69,8 @@ class HFSaverCallback(Callback):
         max_shard_size: safetensors shard threshold (``"5GB"``, or bytes).
         sharded_method: ``"gather"`` (default) or ``"dcp"``: how sharded (``DTensor``) weights
             are exported in a multi-process run.
+        collective_timeout: seconds each export's agreement and collectives wait for the
+            other ranks before every rank raises (multi-process runs).
 
     Example:
         >>> saver = HFSaverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
@@ -91,6 +94,7 @@ class HFSaverCallback(Callback):
         tokenizer: Any = None,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
         sharded_method: str = DEFAULT_SHARDED_METHOD,
+        collective_timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -108,6 +112,10 @@ class HFSaverCallback(Callback):
             raise ConfigError("max_shard_size", f"expected bytes (int) or a size string like '5GB', got {max_shard_size!r}")
         if sharded_method not in SHARDED_METHODS:
             raise ConfigError("sharded_method", f"unknown method {sharded_method!r}; allowed: {', '.join(SHARDED_METHODS)}")
+        try:
+            self.collective_timeout = validate_timeout(collective_timeout)
+        except ValueError as exc:
+            raise ConfigError("collective_timeout", str(exc).split(": ", 1)[1]) from None
         self.config: SaverConfig = exp.saver
         self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
         self.model_attr = model_attr
@@ -278,7 +286,8 @@ class HFSaverCallback(Callback):
         final = self.layout.export_dir(
             self.name, trainer.current_epoch, self.position.epoch_step(steps), steps - 1
         )
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        fsdp1 = fsdp1_root(trainer.strategy.model) is not None  # its state-dict hooks are collectives
+        if (trainer.world_size > 1 or fsdp1) and dist.is_available() and dist.is_initialized():
             return self._save_distributed(trainer, pl_module, final, steps)
         if not trainer.is_global_zero:
             return None
@@ -309,13 +318,15 @@ class HFSaverCallback(Callback):
             if self.resolved_mode is None:
                 self.resolved_mode = self._resolve_mode(trainer)
             self._dist = DistributedHFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
-                                               max_shard_size=self.max_shard_size, name=self.name)
+                                               max_shard_size=self.max_shard_size, name=self.name,
+                                               collective_timeout=self.collective_timeout)
         model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
 
         def published(path: Path, blocked: float | None) -> None:
             self._published(path, start, steps, blocked)
 
-        out = self._dist.export(model, final, tokenizer, on_published=published)
+        out = self._dist.export(model, final, tokenizer, on_published=published,
+                                fsdp_root=fsdp1_root(trainer.strategy.model))
         if out is not None:
             self.last_export = out
         return out

@@ -19,8 +19,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from areal_lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge
+from areal_lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge, is_sharded
 from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
+from areal_lightning.collective import DEFAULT_TIMEOUT_S, check_shared_storage, validate_timeout
 from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import CheckpointCorruptError
 from areal_lightning.freq import EpochPosition, FreqController
@@ -164,6 +165,9 @@ class RecoverCallback(Callback):
             (also the LightningModule's ``on_resume(trainer, step_info)`` if defined).
         io_mode: mode of the installed ``DCPCheckpointIO`` (``auto``, ``sync``, ``async``).
         name: the model folder holding ``recover_checkpoint/``.
+        collective_timeout: seconds any checkpoint collective waits for the other ranks
+            (setup checks, the agreement before each save, DCP's exchanges) before every
+            rank raises; it must exceed the slowest rank's write time of one save.
         weights_only: unpickle the checkpoint's non-tensor state as ``torch.load(...,
             weights_only=True)`` does (default). Hyper-parameters holding other objects are
             then refused with an explanation: allowlist their types with
@@ -191,6 +195,7 @@ class RecoverCallback(Callback):
         io_mode: str = "auto",
         name: str = "default",
         weights_only: bool = True,
+        collective_timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -214,6 +219,10 @@ class RecoverCallback(Callback):
             raise ConfigError("weights_only", f"expected True or False, got {weights_only!r}")
         self.io_mode = io_mode
         self.weights_only = weights_only
+        try:
+            self.collective_timeout = validate_timeout(collective_timeout)
+        except ValueError as exc:
+            raise ConfigError("collective_timeout", str(exc).split(": ", 1)[1]) from None
         self.on_resume = on_resume
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self.tracker = LoaderTracker()
@@ -261,10 +270,17 @@ class RecoverCallback(Callback):
             return
         self._io = self._install_io(trainer)
         install_bridge(trainer.strategy, self._io)  # every rank writes its shard; loads reshard
+        self._io.engine.ranks.configure(self.collective_timeout)
         self._trainer_ref = trainer
-        if trainer.is_global_zero:
-            self._lock = TrialLock(self.layout.trial_dir)
-            self._lock.acquire()
+        error: BaseException | None = None
+        try:
+            if trainer.is_global_zero:
+                self._lock = TrialLock(self.layout.trial_dir)
+                self._lock.acquire()
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        self._io.engine.ranks.agree(error, "RecoverCallback setup (trial lock)")
+        check_shared_storage(self._io.engine.ranks, self.layout.trial_dir, trainer.is_global_zero)
         # Run after the other callbacks at each hook, so their state at this step is saved.
         # (A new list: Lightning is iterating over the current one.)
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
@@ -359,9 +375,9 @@ class RecoverCallback(Callback):
         if trainer.is_global_zero:
             try:
                 outcome = ("ok", self._plan_resume(trainer))
-            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below, as itself
                 outcome = ("error", exc)
-        outcome = trainer.strategy.broadcast(outcome, src=0)
+        outcome = self._io.engine.ranks.agree(None, "RecoverCallback resume plan", outcome)[0]
         if outcome[0] == "error":
             raise outcome[1]
         return outcome[1]
@@ -381,12 +397,14 @@ class RecoverCallback(Callback):
                     f"{path} was written by {key}={ckpt[key]!r}, this run is {key}={value!r}: the trial folder "
                     "was copied or renamed. Use the original names, or delete recover_info/ to start fresh.")
         strategy = type(trainer.strategy).__name__
-        if _family(ckpt["strategy"]) != _family(strategy):
+        saved_family = ckpt.get("family") or _family(ckpt["strategy"])
+        family = "sharded" if is_sharded(trainer.strategy) else "replicated"
+        if saved_family != family:
             raise RecoverMismatchError(
                 f"{path}: the recover checkpoint was written with strategy={ckpt['strategy']!r} "
-                f"({_family(ckpt['strategy'])} parameters) but this run has strategy={strategy!r} "
-                f"({_family(strategy)} parameters); their optimizer states are keyed differently. Resume with a "
-                f"{_family(ckpt['strategy'])} strategy, or delete recover_info/ to start fresh.")
+                f"({saved_family} parameters) but this run has strategy={strategy!r} "
+                f"({family} parameters); their optimizer states are keyed differently. Resume with a "
+                f"{saved_family} strategy, or delete recover_info/ to start fresh.")
         if ckpt["world_size"] != trainer.world_size:
             log.warning("RecoverCallback: resharding the recover checkpoint written by %d rank(s) (%s) onto %d rank(s) "
                         "(%s): DCP reshards model and optimizer; the dataloader position is mapped by samples consumed",
@@ -509,15 +527,19 @@ class RecoverCallback(Callback):
             boundary, self._saving_at_boundary = self._saving_at_boundary, None
         info = self._build_info(trainer, checkpoint, boundary)
         engine = self._io.engine
-        engine.wait()  # the previous save is durable and swapped in (or its failure raised here)
         gen: str | None = None
-        if trainer.is_global_zero:
-            self.store.clean_stale()
-            gen = self.store.new_generation(steps)
-        if trainer.world_size > 1:
-            # Every rank writes its shard into the same directory (one collective DCP save);
-            # rank 0 alone publishes it together with recover_info once it is committed.
-            gen = trainer.strategy.broadcast(gen, src=0)
+        error: BaseException | None = None
+        try:
+            engine.wait()  # the previous save is durable and swapped in (or its failure raised here)
+            if trainer.is_global_zero:
+                self.store.clean_stale()
+                gen = self.store.new_generation(steps)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        # Every rank writes its shard into the same directory (one collective DCP save); rank
+        # 0 alone publishes it with recover_info once committed. A failure on any rank so far
+        # stops every rank here.
+        gen = engine.ranks.agree(error, f"recover checkpoint of global step {steps}", gen)[0]
         asynchronous = self._io.resolved_mode == "async"
         held = self._held = {"call": 0.0}
 
@@ -565,6 +587,7 @@ class RecoverCallback(Callback):
                 "epoch": checkpoint["epoch"],
                 "world_size": trainer.world_size,
                 "strategy": type(trainer.strategy).__name__,
+                "family": "sharded" if is_sharded(trainer.strategy) else "replicated",
                 "num_devices": trainer.num_devices,
                 "num_nodes": trainer.num_nodes,
                 "accelerator": type(trainer.accelerator).__name__,

@@ -1,0 +1,190 @@
+"""An LLM fine-tuning job on Lightning's FSDPStrategy (torch FSDP1), on CPU ranks (gloo).
+
+    python tests/scripts/train_fsdp1.py --root DIR --losses FILE [--devices N]
+        [--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--io-mode auto|sync|async]
+        [--hf-mode auto|sync|async] [--method gather|dcp] [--kill-at-step N] [--epochs N]
+        [--freq-steps N] [--hf-freq-steps N] [--timeout S] [--fault-rank R]
+        [--mixed] [--act-ckpt] [--cpu-offload]
+
+What a user writes: a ``LightningModule`` holding a tiny ``LlamaForCausalLM`` (built from a
+config) and a tokenizer, ``auto_wrap_policy={LlamaDecoderLayer}``, a shuffled ``DataLoader``
+with a validation loader, ``HFSaverCallback`` and ``RecoverCallback`` with their default
+modes (``auto``), and Lightning's own launcher for ``--devices`` ranks. The strategy is
+``tests/fsdp1_cpu.CPUFSDPStrategy`` (``FSDPStrategy`` given ``device_id=cpu``).
+
+Appends one JSON line per optimizer step to ``FILE.rank{r}``: ``{"step", "loss" (hex), "pid"}``.
+``--kill-at-step N`` SIGKILLs every rank at the end of step N (before that step's saves).
+``--fault-rank R``: the fault points named in ``TEST_FAULT`` fire on rank R only.
+On an exception each rank writes ``DIR/error.rank{r}.txt`` with the error and exits 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cpu)
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from areal_lightning import HFSaverCallback, RecoverCallback  # noqa: E402
+from fsdp1_cpu import CPUFSDPStrategy  # noqa: E402
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from areal_lightning.demo import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attention_dropout=0.1, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config), tokenizer
+
+
+class LM(pl.LightningModule):
+    def __init__(self, losses: str) -> None:
+        super().__init__()
+        self.model, self.tokenizer = build_model()
+        self.losses_path = losses
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.log("train_loss", loss)
+        with open(self.losses_path, "a") as f:  # before any checkpoint of this step
+            f.write(json.dumps({"step": self.trainer.global_step + 1, "loss": loss.item().hex(),
+                                "pid": os.getpid()}) + "\n")
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loader(seed: int, n: int, shuffle: bool) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 14, (n, 8), generator=g)
+    return DataLoader(TensorDataset(ids), batch_size=2, shuffle=shuffle)
+
+
+class KillAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DumpState(pl.Callback):
+    """Rank 0 writes the full model and optimizer state (torch's ``get_state_dict``, keyed by
+    parameter name) after every ``every``-th step (``PREFIX.stepN.pt``) and right after a
+    resume (``PREFIX.startN.pt``): a resharded resume must start from the saved state."""
+
+    def __init__(self, prefix: str, every: int) -> None:
+        self.prefix, self.every = prefix, every
+
+    def _dump(self, trainer, tag: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optim = get_state_dict(trainer.strategy.model, trainer.optimizers,
+                                      options=StateDictOptions(full_state_dict=True))
+        if trainer.is_global_zero:
+            torch.save({"model": model, "optim": optim}, f"{self.prefix}.{tag}{trainer.global_step}.pt")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step > 0:
+            self._dump(trainer, "start")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every == 0:
+            self._dump(trainer, "step")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--losses", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--sharding", default="FULL_SHARD")
+    p.add_argument("--io-mode", default="auto")
+    p.add_argument("--hf-mode", default="auto")
+    p.add_argument("--method", default="gather")
+    p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--freq-steps", type=int, default=3)
+    p.add_argument("--hf-freq-steps", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=None, help="RecoverCallback/HFSaverCallback collective_timeout")
+    p.add_argument("--fault-rank", type=int, default=None)
+    p.add_argument("--mixed", action="store_true", help="bf16-mixed precision")
+    p.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of the decoder layers")
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--dump-state", default=None, help="prefix of full model+optimizer dumps (see DumpState)")
+    args = p.parse_args()
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.fault_rank is not None:  # the fault is in TEST_FAULT, injected on that rank only
+        os.environ.pop("AREAL_LIGHTNING_FAULT", None)
+        if rank == args.fault_rank:
+            os.environ["AREAL_LIGHTNING_FAULT"] = os.environ["TEST_FAULT"]
+    pl.seed_everything(0, workers=True, verbose=False)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    kwargs = {}
+    if args.act_ckpt:
+        kwargs["activation_checkpointing_policy"] = {LlamaDecoderLayer}
+    strategy = CPUFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=args.sharding,
+                               cpu_offload=args.cpu_offload, **kwargs)
+    timeout = {} if args.timeout is None else {"collective_timeout": args.timeout}
+    common = dict(fileroot=args.root, experiment_name="exp", trial_name="t", user="u")
+    hf = HFSaverCallback(**common, mode=args.hf_mode, freq_steps=args.hf_freq_steps, sharded_method=args.method,
+                         **timeout)
+    recover = RecoverCallback(**common, freq_steps=args.freq_steps, io_mode=args.io_mode, **timeout)
+    callbacks = [hf, recover]
+    if args.kill_at_step is not None:
+        callbacks.insert(0, KillAt(args.kill_at_step))
+    if args.dump_state is not None:
+        callbacks.insert(0, DumpState(args.dump_state, args.freq_steps))
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, strategy=strategy,
+                         precision="bf16-mixed" if args.mixed else "32-true", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks, val_check_interval=5, limit_val_batches=2,
+                         num_sanity_val_steps=0)
+    losses = f"{args.losses}.rank{trainer.global_rank if args.devices > 1 else 0}"
+    module = LM(losses)
+    start = time.monotonic()
+    try:
+        trainer.fit(module, loader(1, 32, True), loader(2, 8, False))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test, then a non-zero exit
+        Path(args.root, f"error.rank{rank}.txt").write_text(
+            f"{type(exc).__name__}: {exc}\nafter {time.monotonic() - start:.1f} s\n{traceback.format_exc()}")
+        return 3
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
