@@ -126,9 +126,9 @@ def check_shared_storage(ranks: CheckpointGroup, folder: Path, lead: bool) -> No
     try:
         seen = (folder / name).is_file()
         error = None if seen else RuntimeError(
-            f"rank {dist.get_rank()} cannot see {folder / name}, written by rank 0 a moment ago: every rank must "
-            "see the same fileroot (one shared file system; a node-local path on each node would split every "
-            "checkpoint between the nodes)")
+            f"rank {dist.get_rank()} cannot see {name} in {folder}, which rank 0 wrote into its trial folder a "
+            "moment ago: every rank must see the same fileroot (one shared file system; a node-local path on "
+            "each node would split every checkpoint between the nodes)")
         ranks.agree(error, f"shared storage check of {folder}")
     finally:
         if lead:

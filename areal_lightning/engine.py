@@ -34,8 +34,10 @@ callbacks. Three public pieces:
     ``raise_if_failed()`` and ``close()``.
 
 ``HostStager``
-    The long-lived ``DefaultStager`` itself (``stage_to_host``, ``dcp_stager``, ``close``),
-    for callers that manage their own in-flight rule.
+    The host copy itself (``stage`` -> future, ``stage_to_host``, ``close``; also the
+    ``async_stager`` of ``dcp.async_save``): one long-lived ``DefaultStager``'s reused
+    buffers, filled in the stager's own thread; ``ShardedTensor`` s (FSDP1) through their
+    local shards; on CUDA ordered after the caller's stream, on the caller's device.
 
 Rules
     At most one job in flight per worker/engine: a new save, a load, a remove of the
@@ -58,8 +60,9 @@ Distributed
     only) DCP runs with ``no_dist=True``. With ``collective=True`` and an initialized process
     group of more than one rank, every rank must call ``save`` together (one DCP save: each
     rank writes its own ``__{rank}_*.distcp`` files, replicated tensors are written once,
-    the skeleton by rank 0 only); background collectives use a dedicated gloo group,
-    created once. Loads are always rank-local reads of the shared directory into the
+    the skeleton by rank 0 only). Every rank first agrees it is ready (a failure on one rank
+    is raised on all, see :mod:`areal_lightning.collective`); DCP's own exchanges, sync and
+    async, run on that dedicated gloo group with its own timeout (``engine.ranks``). Loads are always rank-local reads of the shared directory into the
     caller's template, so DCP reshards to whatever the template holds (any world size).
 
 Fault points (see :mod:`areal_lightning._fault`): ``engine.before_staging`` (caller thread,
@@ -317,7 +320,8 @@ class BackgroundWorker:
         background. ``label`` (e.g. the output path) names the job in error messages."""
         self.wait()
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name,
+                                                initializer=bind_thread_to, initargs=(_cuda_device(),))
         self._job = _Job(label, self._executor.submit(fn), None)
 
     def wait_for_staging(self) -> None:
@@ -450,8 +454,10 @@ class _CommitWriter(FileSystemWriter):
     def __init__(self, *args: Any, on_commit: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_commit = on_commit
+        self._device = _cuda_device()  # of the training thread (an async save runs in DCP's thread)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        bind_thread_to(self._device)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         fault_point("engine.after_staging")
 

@@ -1,6 +1,6 @@
 """An LLM fine-tuning job on Lightning's FSDPStrategy (torch FSDP1), on CPU ranks (gloo).
 
-    python tests/scripts/train_fsdp1.py --root DIR --losses FILE [--devices N]
+    python tests/scripts/train_fsdp1.py --root DIR --losses FILE [--devices N] [--num-nodes N]
         [--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--io-mode auto|sync|async]
         [--hf-mode auto|sync|async] [--method gather|dcp] [--kill-at-step N] [--epochs N]
         [--freq-steps N] [--hf-freq-steps N] [--timeout S] [--fault-rank R]
@@ -122,11 +122,31 @@ class DumpState(pl.Callback):
             self._dump(trainer, "step")
 
 
+class GPUReport(pl.Callback):
+    """``report.rank{r}.json``: backend, peak GPU memory, whether the recover stager's host
+    buffers are pinned and not in shared memory (``/dev/shm``)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        stager = trainer.strategy.checkpoint_io.engine._worker._stager._stager  # the long-lived DefaultStager
+        buffers = [] if stager is None else [
+            b for b in stager._state_dict_stager._cached_storage_mapping.values() if b.nbytes() >= 1024]
+        report = {"backend": torch.distributed.get_backend(), "gpu": torch.cuda.get_device_name(),
+                  "device": torch.cuda.current_device(),
+                  "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
+                  "pinned": bool(buffers) and all(b.is_pinned() for b in buffers),
+                  "shared": any(b.is_shared() for b in buffers), "staged_buffers": len(buffers)}
+        Path(self.root, f"report.rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--losses", required=True)
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--sharding", default="FULL_SHARD")
     p.add_argument("--io-mode", default="auto")
     p.add_argument("--hf-mode", default="auto")
@@ -141,9 +161,10 @@ def main() -> int:
     p.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of the decoder layers")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--dump-state", default=None, help="prefix of full model+optimizer dumps (see DumpState)")
+    p.add_argument("--gpu", action="store_true", help="CUDA + NCCL with Lightning's own FSDPStrategy (tests/gpu)")
     args = p.parse_args()
 
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0"))  # global (torchrun sets RANK)
     if args.fault_rank is not None:  # the fault is in TEST_FAULT, injected on that rank only
         os.environ.pop("AREAL_LIGHTNING_FAULT", None)
         if rank == args.fault_rank:
@@ -154,8 +175,9 @@ def main() -> int:
     kwargs = {}
     if args.act_ckpt:
         kwargs["activation_checkpointing_policy"] = {LlamaDecoderLayer}
-    strategy = CPUFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=args.sharding,
-                               cpu_offload=args.cpu_offload, **kwargs)
+    strategy_cls = pl.strategies.FSDPStrategy if args.gpu else CPUFSDPStrategy
+    strategy = strategy_cls(auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=args.sharding,
+                            cpu_offload=args.cpu_offload, **kwargs)
     timeout = {} if args.timeout is None else {"collective_timeout": args.timeout}
     common = dict(fileroot=args.root, experiment_name="exp", trial_name="t", user="u")
     hf = HFSaverCallback(**common, mode=args.hf_mode, freq_steps=args.hf_freq_steps, sharded_method=args.method,
@@ -166,12 +188,16 @@ def main() -> int:
         callbacks.insert(0, KillAt(args.kill_at_step))
     if args.dump_state is not None:
         callbacks.insert(0, DumpState(args.dump_state, args.freq_steps))
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, strategy=strategy,
+    if args.gpu:
+        callbacks.append(GPUReport(args.root))
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="gpu" if args.gpu else "cpu", devices=args.devices,
+                         num_nodes=args.num_nodes,
+                         strategy=strategy,
                          precision="bf16-mixed" if args.mixed else "32-true", logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks, val_check_interval=5, limit_val_batches=2,
-                         num_sanity_val_steps=0)
-    losses = f"{args.losses}.rank{trainer.global_rank if args.devices > 1 else 0}"
+                         num_sanity_val_steps=0, deterministic=True if args.gpu else None)
+    losses = f"{args.losses}.rank{trainer.global_rank}"
     module = LM(losses)
     start = time.monotonic()
     try:
