@@ -43,8 +43,9 @@ _EXPORTS = {
     "TrialLayout": "areal_lightning.layout",
     "export_name": "areal_lightning.layout",
     "parse_export_name": "areal_lightning.layout",
-    "CheckpointCorruptError": "areal_lightning.engine",
-    "CheckpointWriteError": "areal_lightning.engine",
+    "CheckpointCorruptError": "areal_lightning.errors",
+    "CheckpointWriteError": "areal_lightning.errors",
+    "RankFailure": "areal_lightning.errors",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -68,6 +69,6 @@ if TYPE_CHECKING:
     from areal_lightning.callbacks.recover import StepInfo
     from areal_lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
     from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, SaverConfig, load_config
-    from areal_lightning.engine import CheckpointCorruptError, CheckpointWriteError
+    from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, RankFailure
     from areal_lightning.freq import FreqController
     from areal_lightning.layout import TrialLayout, export_name, parse_export_name

@@ -83,11 +83,27 @@ def _apply_sharded(strategy: Strategy, checkpoint: dict[str, Any]) -> None:
         set_optimizer_state_dict(model, opt, optim_state_dict=state)
 
 
+def _warn_single_fsdp_unit(strategy: FSDPStrategy) -> None:
+    """FSDP1 state dicts unshard one FSDP unit at a time: a model wrapped as one unit is
+    unsharded whole, on every GPU, at every save and export."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module = strategy.lightning_module
+    wrapped = module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+    if strategy.kwargs.get("auto_wrap_policy") is None and not wrapped:
+        rank_zero_warn("FSDPStrategy without auto_wrap_policy: the whole model is one FSDP unit, so every recover "
+                       "checkpoint and HF export unshards all of it (weights and optimizer state) on every GPU. "
+                       "Pass FSDPStrategy(auto_wrap_policy={YourDecoderLayer}) to unshard one layer at a time.")
+
+
 def install_bridge(strategy: Strategy, io: Any) -> None:
     """Make ``strategy`` save and load every rank's own state through ``io`` (a
     :class:`~areal_lightning.checkpoint_io.DCPCheckpointIO`). Idempotent; see the module doc."""
     if strategy.__dict__.get("_areal_bridge") is io:
         return
+    if isinstance(strategy, FSDPStrategy):
+        _warn_single_fsdp_unit(strategy)
     if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type != "sharded":
         log.info("areal_lightning: FSDPStrategy state_dict_type=%r -> 'sharded' (each rank writes its shard)",
                  strategy._state_dict_type)
@@ -99,7 +115,9 @@ def install_bridge(strategy: Strategy, io: Any) -> None:
     sharded = is_sharded(strategy)
 
     def common_path(path: _PATH) -> str:
-        return str(path) if strategy.world_size == 1 else str(strategy.broadcast(str(path), src=0))
+        if strategy.world_size == 1:
+            return str(path)
+        return str(io.engine.ranks.agree(None, "checkpoint path", str(path))[0])  # rank 0's path
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:

@@ -9,7 +9,7 @@ once, by all ranks together, with ``timeout`` seconds of its own (default
 :meth:`CheckpointGroup.agree` is how a rank-local failure becomes an error on every rank:
 each rank reports ``None`` or its error (and an optional small payload); if any rank failed,
 every rank raises -- the failing rank its own error, the others
-:class:`~areal_lightning.engine.CheckpointWriteError` naming the failed rank and its error.
+:class:`~areal_lightning.errors.RankFailure` (a ``CheckpointWriteError``) naming the failed rank and its error.
 A rank that never arrives (killed, stuck) makes the others raise once ``timeout`` has
 passed, naming the timeout.
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from areal_lightning.errors import RankFailure
 from areal_lightning.layout import SHARED_CHECK_PREFIX
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ __all__ = ["CheckpointGroup", "DEFAULT_TIMEOUT_S", "RankFailure", "check_shared_
 DEFAULT_TIMEOUT_S = 900.0
 """Seconds a checkpoint collective waits for the other ranks (it must exceed the time the
 slowest rank takes to write its files of one save)."""
-
-
-class RankFailure(RuntimeError):
-    """Another rank failed (or did not arrive in time) at a checkpoint agreement."""
 
 
 def validate_timeout(value: Any, field: str = "collective_timeout") -> float:
@@ -53,11 +50,12 @@ class CheckpointGroup:
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.timeout = validate_timeout(timeout)
         self._group: dist.ProcessGroup | None = None
+        self._background: dist.ProcessGroup | None = None
 
     def configure(self, timeout: float) -> None:
         """Set the timeout before the group exists (a later change cannot apply: warns)."""
         timeout = validate_timeout(timeout)
-        if self._group is not None and timeout != self.timeout:
+        if (self._group is not None or self._background is not None) and timeout != self.timeout:
             log.warning("checkpoint group already created with collective_timeout=%gs; %gs ignored",
                         self.timeout, timeout)
             return
@@ -70,10 +68,19 @@ class CheckpointGroup:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """The gloo group over all ranks (the first use is collective)."""
+        """The gloo group over all ranks for collectives on the training thread (agreements,
+        sync saves); the first use is collective."""
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         return self._group
+
+    @property
+    def background_group(self) -> dist.ProcessGroup:
+        """A second gloo group over all ranks, for collectives in background threads (async
+        saves): two threads must never run collectives on one group at once."""
+        if self._background is None:
+            self._background = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        return self._background
 
     def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
         """Exchange ``error`` (this rank's failure or ``None``) and ``payload`` with every rank.
@@ -103,8 +110,8 @@ class CheckpointGroup:
         return [value for _, value in reports]
 
     def close(self) -> None:
-        """Forget the group (it is destroyed with the default process group)."""
-        self._group = None
+        """Forget the groups (they are destroyed with the default process group)."""
+        self._group = self._background = None
 
 
 def check_shared_storage(ranks: CheckpointGroup, folder: Path, lead: bool) -> None:

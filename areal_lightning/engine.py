@@ -107,6 +107,7 @@ from torch.futures import Future as TorchFuture
 from areal_lightning._fault import fault_point
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.commit import fsync_dir
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +121,6 @@ _SKELETON_KEY = "__areal_lightning_skeleton__"
 # DCP warns on every rank-local save/load that it "assumes the intent" of a single process;
 # that is exactly our intent, so this one message is silenced (nothing else is).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint directory is incomplete, unreadable or not in this engine's format."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint save (or background job) failed; the message names its path."""
 
 
 # Async saves in flight in this process, by resolved path: a load of that path from another
@@ -227,6 +220,7 @@ class HostStager:
         self._stager: DefaultStager | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future | None = None
+        self._stream: Any = None  # CUDA: the copy stream
 
     def stage(self, state_dict: Mapping[str, Any]) -> Future:
         """Start copying ``state_dict`` to host in the stager's thread; the future holds the copy."""
@@ -234,17 +228,19 @@ class HostStager:
             self._stager = DefaultStager(staging_options())
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal-stage",
                                                 initializer=bind_thread_to, initargs=(_cuda_device(),))
-        ready = None
+        ready = stream = None
         if _cuda_device() is not None:
             ready = torch.cuda.Event()
             ready.record()  # on the caller's current stream: what training queued so far
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()  # created on the caller's thread and device
+            stream = self._stream
         plain, rebuild = _unshard_views(state_dict)
         stager = self._stager
 
         def copy_now() -> dict[str, Any]:
             if ready is None:
                 return rebuild(stager.stage(plain))
-            stream = torch.cuda.Stream()
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
                 staged = stager.stage(plain)  # non-blocking copies on this stream, then a sync
@@ -824,9 +820,10 @@ class DCPEngine:
         if not self._is_collective():
             # Rank-local call. dcp.async_save still checks that its group has a CPU backend.
             return {"no_dist": True, "process_group": self._rank_local_group() if background else None}
-        # Sync and async collective saves: DCP's exchanges run on the dedicated gloo group,
-        # bounded by its timeout (and, in the background, sharing nothing with training).
-        return {"process_group": self.ranks.group}
+        # DCP's exchanges run on the dedicated gloo groups, bounded by their timeout: sync
+        # saves on the training thread's, async ones on the background one (the training
+        # thread's agreements may run meanwhile).
+        return {"process_group": self.ranks.background_group if background else self.ranks.group}
 
     def _rank_local_group(self) -> dist.ProcessGroup:
         """A gloo group of this rank alone (created without involving the others)."""

@@ -468,6 +468,8 @@ class DistributedHFExporter:
         thread_count: consolidation threads for ``"dcp"``.
         collective_timeout: seconds each agreement and DCP collective of an export waits for
             the other ranks (see :mod:`areal_lightning.collective`).
+        ranks: an existing :class:`~areal_lightning.collective.CheckpointGroup` to use instead
+            (its timeout applies).
 
     Every rank must call :meth:`export` and :meth:`close` together, in the same order.
     """
@@ -481,21 +483,23 @@ class DistributedHFExporter:
         name: str = "default",
         thread_count: int = 1,
         collective_timeout: float = DEFAULT_TIMEOUT_S,
+        ranks: CheckpointGroup | None = None,
     ) -> None:
         self.method = validate_method(method)
         self.asynchronous = asynchronous
         self.max_shard_size = max_shard_size
         self.thread_count = thread_count
         self._worker: BackgroundWorker | None = BackgroundWorker(f"areal-hf-{name}") if asynchronous else None
-        self._ranks = CheckpointGroup(collective_timeout)
+        self._ranks = ranks if ranks is not None else CheckpointGroup(collective_timeout)
         self._pending: str | None = None  # the folder of the export in flight (for messages)
         self._twin: tuple[Any, Any] | None = None  # (live model, its meta twin) for FSDP1
         self._closed = False
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """The dedicated gloo group, with ``collective_timeout`` (created on first use; collective)."""
-        return self._ranks.group
+        """The dedicated gloo group of DCP writes (which may run in the background thread),
+        with ``collective_timeout``; agreements use another one (created on first use; collective)."""
+        return self._ranks.background_group
 
     # -- agreement --------------------------------------------------------------------------
 

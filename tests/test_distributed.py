@@ -156,7 +156,7 @@ def test_torchrun_max_restarts_resumes_each_restart_bit_for_bit(tmp_path, tmp_pa
         assert len({row["pid"] for row in rows(Path(f"{losses}.rank{rank}"))}) == 2  # killed once, restarted once
 
 
-@pytest.mark.parametrize("strategy,io_mode", [("fsdp2", "async"), ("ddp", "sync")])
+@pytest.mark.parametrize("strategy,io_mode", [("fsdp2", "async"), ("ddp", "sync"), ("fsdp1", "async")])
 def test_trainer_save_checkpoint_with_dcp_io_writes_every_rank_and_resumes(tmp_path, strategy, io_mode) -> None:
     """Without RecoverCallback: ``plugins=[DCPCheckpointIO()], callbacks=[StagingWaitCallback()]``
     and ``trainer.save_checkpoint`` under 2 ranks; a new Trainer's ``fit(ckpt_path=...)``

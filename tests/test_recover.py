@@ -283,13 +283,17 @@ def test_sharded_vs_replicated_strategy_mismatch_is_explained(tmp_path) -> None:
     run(tmp_path, crash_at=6)
     path = trial(tmp_path) / "recover_info" / "checkpoint_info.json"
     info = json.loads(path.read_text())
-    info["strategy"] = "ModelParallelStrategy"  # as written by an FSDP2 run
+    info.update(strategy="ModelParallelStrategy", family="sharded")  # as written by an FSDP2 run
     path.write_text(json.dumps(info))
     before = snapshot(tmp_path)
     with pytest.raises(RecoverMismatchError, match="strategy='ModelParallelStrategy' .sharded parameters. but this "
                                                    "run has strategy='SingleDeviceStrategy' .replicated parameters."):
         trainer([recover(tmp_path)]).fit(Net(), plain_loader())
     assert snapshot(tmp_path) == before
+    del info["family"]  # written before the family was recorded: told by the strategy's name
+    path.write_text(json.dumps(info))
+    with pytest.raises(RecoverMismatchError, match="strategy='ModelParallelStrategy' .sharded parameters."):
+        trainer([recover(tmp_path)]).fit(Net(), plain_loader())
 
 
 def test_deleting_recover_info_starts_fresh(tmp_path) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
-from areal_lightning.collective import DEFAULT_TIMEOUT_S, validate_timeout
+from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup, validate_timeout
 from areal_lightning.commit import clean_stale_tmp, remove_dir
 from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, as_experiment, validate_model_name
 from areal_lightning.engine import BackgroundWorker
@@ -116,6 +116,8 @@ class HFSaverCallback(Callback):
             self.collective_timeout = validate_timeout(collective_timeout)
         except ValueError as exc:
             raise ConfigError("collective_timeout", str(exc).split(": ", 1)[1]) from None
+        self.ranks = CheckpointGroup(self.collective_timeout)
+        """The dedicated gloo group of this callback's collectives (shared with its exporter)."""
         self.config: SaverConfig = exp.saver
         self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
         self.model_attr = model_attr
@@ -269,7 +271,7 @@ class HFSaverCallback(Callback):
     def _agree(self, trainer: "pl.Trainer", decision: bool) -> bool:
         """Seconds triggers differ per rank: take rank 0's decision (one small broadcast)."""
         if self.freq.uses_clock and trainer.world_size > 1:
-            return bool(trainer.strategy.broadcast(decision, src=0))
+            return bool(self.ranks.agree(None, "HF export seconds trigger", decision)[0])  # rank 0 decides
         return decision
 
     # -- saving ----------------------------------------------------------------------------
@@ -319,7 +321,7 @@ class HFSaverCallback(Callback):
                 self.resolved_mode = self._resolve_mode(trainer)
             self._dist = DistributedHFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
                                                max_shard_size=self.max_shard_size, name=self.name,
-                                               collective_timeout=self.collective_timeout)
+                                               ranks=self.ranks)
         model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
 
         def published(path: Path, blocked: float | None) -> None:

@@ -461,7 +461,7 @@ class RecoverCallback(Callback):
         self._last_seen_step = trainer.global_step
         decision = self.freq.check_step(trainer.global_step)
         if self.freq.uses_clock and trainer.world_size > 1:
-            decision = bool(trainer.strategy.broadcast(decision, src=0))
+            decision = bool(self._io.engine.ranks.agree(None, "seconds trigger", decision)[0])  # rank 0 decides
         if decision:
             self.save(trainer)
         self._log_telemetry(trainer, pl_module)
@@ -623,8 +623,7 @@ class RecoverCallback(Callback):
                 # RNG and loader position differ per rank; Lightning saves rank 0's callback
                 # state only, so every rank's is gathered into it (all ranks are in save()).
                 mine = {"rng": state.pop("rng"), "data": state.pop("data")}
-                gathered: list[Any] = [None] * trainer.world_size
-                torch.distributed.all_gather_object(gathered, mine)
+                gathered = self._io.engine.ranks.agree(None, "per-rank RNG and data position", mine)
                 state["per_rank"] = {str(rank): entry for rank, entry in enumerate(gathered)}
         return state
 

@@ -100,9 +100,14 @@ def _losses(root: Path, rank: int) -> dict[int, str]:
             for line in (root / f"losses.rank{rank}").read_text().splitlines()}
 
 
-@pytest.mark.parametrize("devices", sorted({1, GPUS}))
-def test_fsdp_strategy_on_gpus_default_modes_sigkill_resume_exact(tmp_path, devices) -> None:
-    args = ("--devices", str(devices))
+CASES = {f"{n}gpu": (n,) for n in sorted({1, GPUS})} | {f"{GPUS}gpu-cpu-offload-dcp": (GPUS, "--cpu-offload",
+                                                                                  "--method", "dcp")}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_strategy_on_gpus_default_modes_sigkill_resume_exact(tmp_path, case) -> None:
+    devices, *extra = CASES[case]
+    args = ("--devices", str(devices), *extra)
     ref, run = tmp_path / "ref", tmp_path / "run"
     proc, ref_s = train(ref, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,5 +121,5 @@ def test_fsdp_strategy_on_gpus_default_modes_sigkill_resume_exact(tmp_path, devi
     assert all(r["backend"] == "nccl" and r["pinned"] and not r["shared"] for r in reports), reports
     assert [r["device"] for r in reports] == list(range(devices))
     peak = ", ".join(f"{r['peak_gpu_mb']:.0f}" for r in reports)
-    row(f"FSDPStrategy, {devices} GPU(s), default modes: SIGKILL + rerun bit-for-bit",
+    row(f"FSDPStrategy {case}, default modes: SIGKILL + rerun bit-for-bit",
         f"ok (uninterrupted {ref_s:.0f}s, resumed {run_s:.0f}s; pinned, not shared; peak MB per rank {peak})")

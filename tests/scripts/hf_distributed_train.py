@@ -7,12 +7,14 @@ The test starts one process per rank itself (as ``torchrun`` would), so Lightnin
 spawns nor kills ranks and each rank reports its own outcome. ``--cases`` is a JSON list;
 each case is one ``trainer.fit`` on 2 CPU ranks (gloo), run in order in the same processes:
 
-    {"strategy": "fsdp" | "ddp", "arch": "llama" | "gpt2", "mode": "sync" | "async",
+    {"strategy": "fsdp" | "fsdp1" | "ddp", "arch": "llama" | "gpt2", "mode": "sync" | "async",
      "method": "gather" | "dcp", "max_shard_size": int | null, "max_keep": int | null,
      "extra_buffers": bool, "fault": "point[@N]" | null}
 
 ``fsdp`` is Lightning's ``ModelParallelStrategy`` with ``fully_shard`` applied to every
-decoder layer and to the model root in ``configure_model``; ``extra_buffers`` registers
+decoder layer and to the model root in ``configure_model``; ``fsdp1`` is Lightning's
+``FSDPStrategy`` (torch FSDP1, on CPU through ``tests/fsdp1_cpu.py``) auto-wrapping every
+decoder layer; ``extra_buffers`` registers
 persistent int64, bool and 0-dim buffers (which DCP cannot consolidate). For case ``i`` rank
 0 writes ``DIR/case{i}/ref/step{G}.safetensors``: the full weights after global step G
 (0-based), gathered in the same run, after the export of that step was taken. Every rank
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import traceback
 import warnings
@@ -34,6 +37,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cpu)
 from torch.utils.data import DataLoader, TensorDataset
 
 from areal_lightning import HFSaverCallback
@@ -110,8 +115,17 @@ class Reference(pl.Callback):
         from safetensors.torch import save_file
         from torch.distributed.tensor import DTensor
 
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(trainer.strategy.model, FullyShardedDataParallel):  # FSDP1: all ranks take part
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
+            state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        else:
+            state = pl_module.model.state_dict()
         full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone().contiguous()
-                for k, v in pl_module.model.state_dict().items()}
+                for k, v in state.items()}
         if trainer.is_global_zero:
             self.folder.mkdir(parents=True, exist_ok=True)
             save_file(full, str(self.folder / f"step{trainer.global_step - 1}.safetensors"))
@@ -149,7 +163,16 @@ def run_case(index: int, case: dict[str, Any], out: Path) -> None:
     saver.returned, saver.published_in = [], []
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randint(3, VOCAB, (32, 8), generator=g)), batch_size=4, shuffle=False)
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp else "ddp"
+    if case["strategy"] == "fsdp1":
+        from fsdp1_cpu import CPUFSDPStrategy
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        strategy = CPUFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer, GPT2Block})
+    elif fsdp:
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        strategy = "ddp"
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[saver, Reference(folder / "ref")])

@@ -1,7 +1,9 @@
 """``trainer.save_checkpoint`` / ``fit(ckpt_path=...)`` with ``DCPCheckpointIO`` under a
 2-rank strategy (no RecoverCallback): every rank writes its shard; a new Trainer resumes.
 
-    python tests/scripts/save_checkpoint_dcp.py --root DIR --strategy ddp|fsdp2 --io-mode sync|async
+    python tests/scripts/save_checkpoint_dcp.py --root DIR --strategy ddp|fsdp2|fsdp1 --io-mode sync|async
+
+(``fsdp1``: Lightning's ``FSDPStrategy`` on CPU through ``tests/fsdp1_cpu.py``, auto-wrapping each Linear.)
 
 Writes DIR/ckpt (the DCP directory), DIR/saved.pt (the full state, gathered by parameter
 name, right after the save) and DIR/loaded.pt (the same, right after the resume), on rank 0.
@@ -10,8 +12,11 @@ name, right after the save) and DIR/loaded.pt (the same, right after the resume)
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cpu)
 
 import lightning.pytorch as pl
 import torch
@@ -24,8 +29,14 @@ warnings.filterwarnings("ignore")
 
 
 def full_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
-    model, optim = get_state_dict(module, trainer.optimizers, options=StateDictOptions(full_state_dict=True,
-                                                                                       cpu_offload=True))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(trainer.strategy.model, FullyShardedDataParallel):  # FSDP1: its root, no CPU offload on CPU
+        model, optim = get_state_dict(trainer.strategy.model, trainer.optimizers,
+                                      options=StateDictOptions(full_state_dict=True))
+    else:
+        model, optim = get_state_dict(module, trainer.optimizers, options=StateDictOptions(full_state_dict=True,
+                                                                                           cpu_offload=True))
     return {"model": model, "optim": optim}
 
 
@@ -60,7 +71,7 @@ class Net(pl.LightningModule):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
-    p.add_argument("--strategy", choices=["ddp", "fsdp2"], required=True)
+    p.add_argument("--strategy", choices=["ddp", "fsdp2", "fsdp1"], required=True)
     p.add_argument("--io-mode", default="sync")
     args = p.parse_args()
     root = Path(args.root)
@@ -68,8 +79,14 @@ def main() -> None:
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
 
     def trainer(epochs: int) -> pl.Trainer:
-        strategy = (pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-                    if args.strategy == "fsdp2" else "ddp")
+        if args.strategy == "fsdp1":
+            from fsdp1_cpu import CPUFSDPStrategy
+
+            strategy = CPUFSDPStrategy(auto_wrap_policy={torch.nn.Linear})
+        elif args.strategy == "fsdp2":
+            strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        else:
+            strategy = "ddp"
         return pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=2, strategy=strategy, logger=False,
                           plugins=[DCPCheckpointIO(args.io_mode)], callbacks=[StagingWaitCallback()],
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

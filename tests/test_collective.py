@@ -1,0 +1,62 @@
+"""Rank agreement pieces that need no second process: timeouts validated before training,
+single-process behaviour of the agreement, the trial lock on a file system without flock.
+(The multi-rank behaviour -- a failure on one rank raised on all, a dead rank ending the
+others within the timeout, an unshared fileroot -- is proven on 2 real ranks in
+tests/test_fsdp1.py.)"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+
+import pytest
+
+from areal_lightning import HFSaverCallback, RecoverCallback
+from areal_lightning.collective import CheckpointGroup, check_shared_storage
+from areal_lightning.config import ConfigError
+from areal_lightning.recover_store import TrialLock
+
+
+@pytest.mark.parametrize("bad", [0, -1, "60", True, None])
+@pytest.mark.parametrize("cls", [RecoverCallback, HFSaverCallback])
+def test_a_bad_collective_timeout_is_refused_naming_the_field(tmp_path, cls, bad) -> None:
+    with pytest.raises(ConfigError, match=r"^collective_timeout: expected a positive number of seconds"):
+        cls(fileroot=tmp_path, experiment_name="e", trial_name="t", collective_timeout=bad)
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_the_agreement_without_a_process_group_returns_or_raises_locally(tmp_path) -> None:
+    ranks = CheckpointGroup(5)
+    assert ranks.agree(None, "x", payload=7) == [7]
+    with pytest.raises(KeyError, match="mine"):
+        ranks.agree(KeyError("mine"), "x")
+    check_shared_storage(ranks, tmp_path / "trial", lead=True)  # one process: nothing to compare
+    assert not (tmp_path / "trial").exists()
+
+
+def test_configure_validates_the_timeout() -> None:
+    ranks = CheckpointGroup(5)
+    ranks.configure(30)
+    assert ranks.timeout == 30
+    with pytest.raises(ValueError, match="collective_timeout"):
+        ranks.configure(0)
+
+
+def test_a_file_system_without_flock_gets_a_warning_not_a_crash(tmp_path, monkeypatch, caplog) -> None:
+    """Simulated: some NFS/FUSE mounts answer flock with ENOLCK (not reproducible on this
+    machine's file systems, so flock itself is replaced for this one test)."""
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING):
+        TrialLock(tmp_path).acquire()
+    assert "does not support flock" in caplog.text
+
+    def other_error(fd: int, op: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fcntl, "flock", other_error)
+    with pytest.raises(OSError, match="I/O error"):
+        TrialLock(tmp_path).acquire()
