@@ -7,7 +7,8 @@ Enabled only by the environment variable ``AREAL_LIGHTNING_FAULT``; otherwise ea
 - ``point`` is one of :data:`POINTS`, or ``*`` for every point;
 - ``action`` is ``raise`` (default: raise :class:`InjectedFault`), ``kill`` (SIGKILL this
   process, as a power cut or the OOM killer would; from any thread, e.g. the background
-  writer of an async save) or ``trace`` (only record that the point was reached);
+  writer of an async save), ``hang`` (block this thread forever, as a stuck rank would) or
+  ``trace`` (only record that the point was reached);
 - ``@N`` fires at the N-th time this process reaches the point (default: every time).
 
 When ``AREAL_LIGHTNING_FAULT_TRACE`` names a file, every ``trace`` hit and every ``raise``
@@ -24,6 +25,7 @@ import collections
 import os
 import signal
 import threading
+import time
 
 ENV_VAR = "AREAL_LIGHTNING_FAULT"
 TRACE_ENV_VAR = "AREAL_LIGHTNING_FAULT_TRACE"
@@ -106,7 +108,11 @@ def fault_point(name: str) -> None:
         if action == "kill":
             _trace(name, hit, "kill")
             os.kill(os.getpid(), signal.SIGKILL)
-        raise ValueError(f"{ENV_VAR}: unknown action {action!r} for point {name!r}; allowed: raise, kill, trace")
+        if action == "hang":
+            _trace(name, hit, "hang")
+            while True:  # a stuck rank (hung storage, a deadlock): only a signal ends it
+                time.sleep(60)
+        raise ValueError(f"{ENV_VAR}: unknown action {action!r} for point {name!r}; allowed: raise, kill, hang, trace")
 
 
 def reset_fault_counts() -> None:

@@ -38,7 +38,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 
 log = logging.getLogger(__name__)
 
-__all__ = ["install_bridge", "is_bridged", "is_sharded", "SHARDED_STRATEGY_NAMES"]
+__all__ = ["install_bridge", "is_bridged", "is_sharded", "warn_if_single_fsdp_unit", "SHARDED_STRATEGY_NAMES"]
 
 _SHARDED = (FSDPStrategy, ModelParallelStrategy)
 SHARDED_STRATEGY_NAMES = tuple(cls.__name__ for cls in _SHARDED)
@@ -83,15 +83,16 @@ def _apply_sharded(strategy: Strategy, checkpoint: dict[str, Any]) -> None:
         set_optimizer_state_dict(model, opt, optim_state_dict=state)
 
 
-def _warn_single_fsdp_unit(strategy: FSDPStrategy) -> None:
+def warn_if_single_fsdp_unit(strategy: Strategy) -> None:
     """FSDP1 state dicts unshard one FSDP unit at a time: a model wrapped as one unit is
-    unsharded whole, on every GPU, at every save and export."""
+    unsharded whole, on every GPU, at every save and export. Call once the model is wrapped
+    (``on_fit_start``)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    module = strategy.lightning_module
-    wrapped = module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
-    if strategy.kwargs.get("auto_wrap_policy") is None and not wrapped:
+    if not isinstance(strategy, FSDPStrategy) or not isinstance(strategy.model, FullyShardedDataParallel):
+        return
+    if len(FullyShardedDataParallel.fsdp_modules(strategy.model)) == 1:
         rank_zero_warn("FSDPStrategy without auto_wrap_policy: the whole model is one FSDP unit, so every recover "
                        "checkpoint and HF export unshards all of it (weights and optimizer state) on every GPU. "
                        "Pass FSDPStrategy(auto_wrap_policy={YourDecoderLayer}) to unshard one layer at a time.")
@@ -102,8 +103,6 @@ def install_bridge(strategy: Strategy, io: Any) -> None:
     :class:`~areal_lightning.checkpoint_io.DCPCheckpointIO`). Idempotent; see the module doc."""
     if strategy.__dict__.get("_areal_bridge") is io:
         return
-    if isinstance(strategy, FSDPStrategy):
-        _warn_single_fsdp_unit(strategy)
     if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type != "sharded":
         log.info("areal_lightning: FSDPStrategy state_dict_type=%r -> 'sharded' (each rank writes its shard)",
                  strategy._state_dict_type)

@@ -1,10 +1,11 @@
-"""Rank agreement for the checkpoint path: one dedicated gloo group with its own timeout.
+"""Rank agreement for the checkpoint path: dedicated gloo groups with their own timeout.
 
 Every collective the plugin runs itself (the agreement below, DCP's planning and commit
-exchanges, HF export agreement) goes over a :class:`CheckpointGroup`: a gloo group created
-once, by all ranks together, with ``timeout`` seconds of its own (default
+exchanges, HF export agreement) goes over a :class:`CheckpointGroup`: two gloo groups
+created together by all ranks, one for the training thread and one for background threads
+(two threads never share a group), with ``timeout`` seconds of their own (default
 :data:`DEFAULT_TIMEOUT_S`), so a checkpoint never waits on the training process group's
-30-minute default.
+30-minute default. The DCP engine and each ``HFSaverCallback`` have one ``CheckpointGroup``.
 
 :meth:`CheckpointGroup.agree` is how a rank-local failure becomes an error on every rank:
 each rank reports ``None`` or its error (and an optional small payload); if any rank failed,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import uuid
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ class CheckpointGroup:
         self.timeout = validate_timeout(timeout)
         self._group: dist.ProcessGroup | None = None
         self._background: dist.ProcessGroup | None = None
+        self._world: Any = None  # the default group the two were created in
 
     def configure(self, timeout: float) -> None:
         """Set the timeout before the group exists (a later change cannot apply: warns)."""
@@ -66,20 +69,29 @@ class CheckpointGroup:
         """Whether a process group of more than one rank is initialized."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
+    def _create(self) -> None:
+        """Both groups, always together and in this order, so every rank names them alike
+        whichever it uses first; again after the default process group was recreated."""
+        if self._group is None or self._world is not dist.group.WORLD:
+            self._world = dist.group.WORLD
+            timeout = datetime.timedelta(seconds=self.timeout)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._background = dist.new_group(backend="gloo", timeout=timeout)
+
     @property
     def group(self) -> dist.ProcessGroup:
         """The gloo group over all ranks for collectives on the training thread (agreements,
         sync saves); the first use is collective."""
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        self._create()
+        assert self._group is not None
         return self._group
 
     @property
     def background_group(self) -> dist.ProcessGroup:
         """A second gloo group over all ranks, for collectives in background threads (async
         saves): two threads must never run collectives on one group at once."""
-        if self._background is None:
-            self._background = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        self._create()
+        assert self._background is not None
         return self._background
 
     def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
@@ -92,6 +104,11 @@ class CheckpointGroup:
                 raise error
             return [payload]
         mine = (None if error is None else f"{type(error).__name__}: {error}"[:2000], payload)
+        try:
+            pickle.dumps(mine)
+        except Exception as exc:  # noqa: BLE001 - reported as this rank's failure, on every rank
+            error = error or exc
+            mine = (f"{what}: cannot send this rank's report: {exc!r}"[:2000], None)
         reports: list[Any] = [None] * dist.get_world_size()
         try:
             dist.all_gather_object(reports, mine, group=self.group)

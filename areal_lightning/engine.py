@@ -61,8 +61,9 @@ Distributed
     group of more than one rank, every rank must call ``save`` together (one DCP save: each
     rank writes its own ``__{rank}_*.distcp`` files, replicated tensors are written once,
     the skeleton by rank 0 only). Every rank first agrees it is ready (a failure on one rank
-    is raised on all, see :mod:`areal_lightning.collective`); DCP's own exchanges, sync and
-    async, run on that dedicated gloo group with its own timeout (``engine.ranks``). Loads are always rank-local reads of the shared directory into the
+    is raised on all, see :mod:`areal_lightning.collective`); DCP's own exchanges run on the
+    dedicated gloo groups of ``engine.ranks`` with their own timeout (sync saves on the
+    training thread's group, async saves on the background one). Loads are always rank-local reads of the shared directory into the
     caller's template, so DCP reshards to whatever the template holds (any world size).
 
 Fault points (see :mod:`areal_lightning._fault`): ``engine.before_staging`` (caller thread,
@@ -190,6 +191,9 @@ def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[
             meta.shards_metadata = [
                 dataclasses.replace(m, placement=f"rank:{m.placement.rank()}/cpu") for m in meta.shards_metadata
             ]
+            if keys:  # the staged copies may be pinned (their source never is): ShardedTensor checks it
+                meta.tensor_properties = dataclasses.replace(meta.tensor_properties,
+                                                             pin_memory=staged[keys[0]].is_pinned())
             shards = [Shard(staged[k], dataclasses.replace(s.metadata, placement=f"rank:{s.metadata.placement.rank()}/cpu"))
                       for k, s in zip(keys, source.local_shards())]
             out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -205,7 +209,8 @@ class HostStager:
     an ``async_stager``.
 
     * Buffers come from one ``DefaultStager``, cached by source storage and reused by every
-      later staging of the same tensors (no growth across saves); pinned on CUDA.
+      later staging of the same tensors (no growth across saves); pinned on CUDA. (State
+      dicts made of fresh copies at each save, such as FSDP1's, get fresh buffers.)
     * ``ShardedTensor`` s (FSDP1) are staged through their local shards.
     * CUDA: the copy is ordered after the work queued so far on the caller's current
       stream (an event recorded at :meth:`stage`, waited for on the copying thread's

@@ -232,7 +232,8 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, A
     # cpu_offload (which makes FSDP1 keep the full tensors on rank 0 only) only for weights on
     # an accelerator: FSDP1's offload of CPU parameters reads freed memory (a segfault seen
     # with torch 2.13 on CPU/gloo), and on CPU the full tensors are host memory anyway.
-    on_device = any(p.device.type != "cpu" for p in root.parameters())
+    compute = getattr(root, "compute_device", None)  # FSDP1's device (parameters may be offloaded to CPU)
+    on_device = compute.type != "cpu" if compute is not None else any(p.device.type != "cpu" for p in root.parameters())
     options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
     state = get_model_state_dict(root, options=options)
     if full and dist.get_rank() != 0:
@@ -240,7 +241,7 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, A
     prefix = _prefix_in(root, model)
     own = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
     if full:
-        live = {p.untyped_storage().data_ptr() for p in root.parameters() if p.numel()}
+        live = {t.untyped_storage().data_ptr() for t in itertools.chain(root.parameters(), root.buffers()) if t.numel()}
         for key, value in own.items():
             if isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().data_ptr() in live:
                 own[key] = value.clone()  # e.g. NO_SHARD on CPU: the full tensor is the live one
@@ -259,6 +260,10 @@ def meta_twin(model: Any) -> Any:
     twin.to(dtype=dtype)
     if getattr(model, "generation_config", None) is not None:
         twin.generation_config = copy.deepcopy(model.generation_config)
+    # Instance state save_pretrained reads (weight-name conversions, quantizer, PEFT adapters).
+    for name in ("_weight_conversions", "hf_quantizer", "_hf_peft_config_loaded", "peft_config"):
+        if name in model.__dict__:
+            setattr(twin, name, model.__dict__[name])
     return twin
 
 

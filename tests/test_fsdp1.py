@@ -178,12 +178,25 @@ def test_a_failure_on_rank_1_only_is_an_error_on_both_ranks(tmp_path) -> None:
     assert info["global_step"] == 3
 
 
-def test_a_rank_killed_mid_save_ends_the_other_within_the_collective_timeout(tmp_path) -> None:
-    proc = train(tmp_path, "--fault-rank", "1", "--timeout", "30",
+def test_a_rank_killed_mid_save_is_an_error_on_the_other(tmp_path) -> None:
+    """Rank 1 dies (SIGKILL) at its 2nd recover save: gloo sees the connection drop and rank 0
+    raises at the agreement (no wait for the timeout)."""
+    proc = train(tmp_path, "--fault-rank", "1", "--timeout", "300",
                  env={"TEST_FAULT": "engine.before_staging:kill@2"}, timeout=150)
     assert proc.returncode == 3, proc.stderr[-3000:]
     first = (tmp_path / "error.rank0.txt").read_text().splitlines()[0]
-    assert first.startswith("RankFailure: checkpoint save to ") and "collective_timeout=30s" in first, first
+    assert first.startswith("RankFailure: checkpoint save to ") and "not every rank reached" in first, first
+
+
+def test_a_stuck_rank_ends_the_other_after_the_collective_timeout(tmp_path) -> None:
+    """Rank 1 hangs at its 2nd recover save (alive, connected, never arriving): rank 0 raises
+    once collective_timeout (10 s) has passed, and Lightning's launcher then ends rank 1."""
+    proc = train(tmp_path, "--fault-rank", "1", "--timeout", "10",
+                 env={"TEST_FAULT": "engine.before_staging:hang@2"}, timeout=150)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = (tmp_path / "error.rank0.txt").read_text().splitlines()
+    assert lines[0].startswith("RankFailure: checkpoint save to ") and "collective_timeout=10s" in lines[0], lines[0]
+    assert not (tmp_path / "error.rank1.txt").exists()  # it never got past the hang
 
 
 def _free_port() -> int:

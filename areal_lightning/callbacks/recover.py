@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from areal_lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge, is_sharded
+from areal_lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge, is_sharded, warn_if_single_fsdp_unit
 from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, check_shared_storage, validate_timeout
 from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
@@ -679,6 +679,10 @@ class RecoverCallback(Callback):
             shift = done - progress["processed"]
             for key in ("ready", "started", "processed", "completed"):
                 progress[key] += shift
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.enabled:
+            warn_if_single_fsdp_unit(trainer.strategy)  # the model is wrapped by now
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.position.train_started(trainer)

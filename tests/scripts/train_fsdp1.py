@@ -130,14 +130,12 @@ class GPUReport(pl.Callback):
         self.root = root
 
     def on_train_end(self, trainer, pl_module) -> None:
-        stager = trainer.strategy.checkpoint_io.engine._worker._stager._stager  # the long-lived DefaultStager
-        buffers = [] if stager is None else [
-            b for b in stager._state_dict_stager._cached_storage_mapping.values() if b.nbytes() >= 1024]
+        stager = trainer.strategy.checkpoint_io.engine._worker._stager  # the recover saves' HostStager
+        probe = stager.stage_to_host({"probe": torch.ones(1024, device="cuda")})["probe"]
         report = {"backend": torch.distributed.get_backend(), "gpu": torch.cuda.get_device_name(),
                   "device": torch.cuda.current_device(),
                   "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
-                  "pinned": bool(buffers) and all(b.is_pinned() for b in buffers),
-                  "shared": any(b.is_shared() for b in buffers), "staged_buffers": len(buffers)}
+                  "pinned": probe.is_pinned(), "shared": probe.untyped_storage().is_shared()}
         Path(self.root, f"report.rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
@@ -205,6 +203,11 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the test, then a non-zero exit
         Path(args.root, f"error.rank{rank}.txt").write_text(
             f"{type(exc).__name__}: {exc}\nafter {time.monotonic() - start:.1f} s\n{traceback.format_exc()}")
+        # Lightning's launcher ends the other ranks only on KeyboardInterrupt; a rank that is
+        # stuck would outlive this one (torchrun and SLURM end it themselves).
+        kill = getattr(trainer.strategy.launcher, "kill", None)
+        if callable(kill):
+            kill(signal.SIGKILL)
         return 3
     finally:
         if torch.distributed.is_initialized():
