@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -203,11 +204,14 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the test, then a non-zero exit
         Path(args.root, f"error.rank{rank}.txt").write_text(
             f"{type(exc).__name__}: {exc}\nafter {time.monotonic() - start:.1f} s\n{traceback.format_exc()}")
-        # Lightning's launcher ends the other ranks only on KeyboardInterrupt; a rank that is
-        # stuck would outlive this one (torchrun and SLURM end it themselves).
-        kill = getattr(trainer.strategy.launcher, "kill", None)
-        if callable(kill):
-            kill(signal.SIGKILL)
+        # Lightning's launcher ends the other ranks only on KeyboardInterrupt: give them 15 s to
+        # end (and report) on their own, then end a stuck one (torchrun and SLURM would).
+        deadline = time.monotonic() + 15
+        for proc in getattr(trainer.strategy.launcher, "procs", []):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
         return 3
     finally:
         if torch.distributed.is_initialized():
