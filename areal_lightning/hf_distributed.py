@@ -221,10 +221,11 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, A
     """The export weights of ``model`` (a submodule of the FSDP1 ``root``), keyed like
     ``model.state_dict()``, without tied aliases. Collective: every rank must call it.
 
-    ``full=True``: torch's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``:
-    FSDP1 unshards one wrapped unit at a time (the root's own parameters stay unsharded
-    while its children are visited) and moves each full tensor to rank 0's host memory;
-    returns the full tensors on rank 0 (never aliasing live weights) and ``None`` elsewhere.
+    ``full=True``: torch's ``get_model_state_dict(full_state_dict=True)``: FSDP1 unshards one
+    wrapped unit at a time (the root's own parameters stay unsharded while its children are
+    visited); on GPUs (``cpu_offload=True``) each full tensor moves to rank 0's host memory
+    and the other ranks drop it. Returns the full tensors on rank 0 (never aliasing live
+    weights) and ``None`` elsewhere.
     ``full=False``: this rank's ``ShardedTensor`` shards (FSDP1's sharded state dict), for
     the ``"dcp"`` method."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
