@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from areal_lightning.config import ConfigError
 from areal_lightning.errors import RankFailure
 from areal_lightning.layout import SHARED_CHECK_PREFIX
 
@@ -40,9 +41,9 @@ slowest rank takes to write its files of one save)."""
 
 
 def validate_timeout(value: Any, field: str = "collective_timeout") -> float:
-    """``value`` as seconds (> 0), else ``ValueError`` naming ``field``."""
+    """``value`` as seconds (> 0), else :class:`~areal_lightning.config.ConfigError` naming ``field``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{field}: expected a positive number of seconds, got {value!r}")
+        raise ConfigError(field, f"expected a positive number of seconds, got {value!r}")
     return float(value)
 
 

@@ -63,8 +63,9 @@ Distributed
     the skeleton by rank 0 only). Every rank first agrees it is ready (a failure on one rank
     is raised on all, see :mod:`areal_lightning.collective`); DCP's own exchanges run on the
     dedicated gloo groups of ``engine.ranks`` with their own timeout (sync saves on the
-    training thread's group, async saves on the background one). Loads are always rank-local reads of the shared directory into the
-    caller's template, so DCP reshards to whatever the template holds (any world size).
+    training thread's group, async saves on the background one). Loads are always
+    rank-local reads of the shared directory into the caller's template, so DCP reshards to
+    whatever the template holds (any world size).
 
 Fault points (see :mod:`areal_lightning._fault`): ``engine.before_staging`` (caller thread,
 start of every save), ``engine.after_staging`` (writer thread, state on host, before the
@@ -184,18 +185,18 @@ def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[
     if not sharded:
         return plain, dict
 
+    def on_cpu(shard_meta: Any) -> Any:
+        return dataclasses.replace(shard_meta, placement=f"rank:{shard_meta.placement.rank()}/cpu")
+
     def rebuild(staged: Mapping[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in staged.items() if "\x00shard" not in k}
         for key, (source, keys) in sharded.items():
             meta = copy.copy(source.metadata())
-            meta.shards_metadata = [
-                dataclasses.replace(m, placement=f"rank:{m.placement.rank()}/cpu") for m in meta.shards_metadata
-            ]
+            meta.shards_metadata = [on_cpu(m) for m in meta.shards_metadata]
             if keys:  # the staged copies may be pinned (their source never is): ShardedTensor checks it
                 meta.tensor_properties = dataclasses.replace(meta.tensor_properties,
                                                              pin_memory=staged[keys[0]].is_pinned())
-            shards = [Shard(staged[k], dataclasses.replace(s.metadata, placement=f"rank:{s.metadata.placement.rank()}/cpu"))
-                      for k, s in zip(keys, source.local_shards())]
+            shards = [Shard(staged[k], on_cpu(s.metadata)) for k, s in zip(keys, source.local_shards())]
             out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
                 shards, meta, process_group=source._process_group)
         return out
@@ -262,11 +263,6 @@ class HostStager:
     def stage_to_host(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``state_dict`` into the reused host buffers and return the copy (blocking)."""
         return self.stage(state_dict).result()
-
-    @property
-    def dcp_stager(self) -> "HostStager":
-        """This stager, as ``dcp.async_save(async_stager=...)`` takes it."""
-        return self
 
     def close(self) -> None:
         """Free the host buffers and the thread; the next use builds fresh ones."""
@@ -725,7 +721,7 @@ class DCPEngine:
             flat,
             storage_writer=writer,
             planner=_flat_save_planner(),
-            async_stager=self._worker._stager.dcp_stager,
+            async_stager=self._worker._stager,
             async_checkpointer_type=AsyncCheckpointerType.THREAD,
             **self._dist_kwargs(background=True),
         )

@@ -112,10 +112,7 @@ class HFSaverCallback(Callback):
             raise ConfigError("max_shard_size", f"expected bytes (int) or a size string like '5GB', got {max_shard_size!r}")
         if sharded_method not in SHARDED_METHODS:
             raise ConfigError("sharded_method", f"unknown method {sharded_method!r}; allowed: {', '.join(SHARDED_METHODS)}")
-        try:
-            self.collective_timeout = validate_timeout(collective_timeout)
-        except ValueError as exc:
-            raise ConfigError("collective_timeout", str(exc).split(": ", 1)[1]) from None
+        self.collective_timeout = validate_timeout(collective_timeout)
         self.ranks = CheckpointGroup(self.collective_timeout)
         """The dedicated gloo group of this callback's collectives (shared with its exporter)."""
         self.config: SaverConfig = exp.saver
@@ -288,9 +285,9 @@ class HFSaverCallback(Callback):
         final = self.layout.export_dir(
             self.name, trainer.current_epoch, self.position.epoch_step(steps), steps - 1
         )
-        fsdp1 = fsdp1_root(trainer.strategy.model) is not None  # its state-dict hooks are collectives
-        if (trainer.world_size > 1 or fsdp1) and dist.is_available() and dist.is_initialized():
-            return self._save_distributed(trainer, pl_module, final, steps)
+        fsdp_root = fsdp1_root(trainer.strategy.model)  # FSDP1's state-dict hooks are collectives
+        if (trainer.world_size > 1 or fsdp_root is not None) and dist.is_available() and dist.is_initialized():
+            return self._save_distributed(trainer, pl_module, final, steps, fsdp_root)
         if not trainer.is_global_zero:
             return None
         start = time.perf_counter()
@@ -312,9 +309,11 @@ class HFSaverCallback(Callback):
         return final
 
     def _save_distributed(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", final: Path, steps: int
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", final: Path, steps: int,
+        fsdp_root: Any = None,
     ) -> Path | None:
-        """Every rank takes part (collective); rank 0 writes and returns the folder."""
+        """Every rank takes part (collective); rank 0 writes and returns the folder.
+        ``fsdp_root``: the FSDP1 module wrapping the LightningModule, if any."""
         start = time.perf_counter()
         if self._dist is None:
             if self.resolved_mode is None:
@@ -327,8 +326,7 @@ class HFSaverCallback(Callback):
         def published(path: Path, blocked: float | None) -> None:
             self._published(path, start, steps, blocked)
 
-        out = self._dist.export(model, final, tokenizer, on_published=published,
-                                fsdp_root=fsdp1_root(trainer.strategy.model))
+        out = self._dist.export(model, final, tokenizer, on_published=published, fsdp_root=fsdp_root)
         if out is not None:
             self.last_export = out
         return out

@@ -219,10 +219,7 @@ class RecoverCallback(Callback):
             raise ConfigError("weights_only", f"expected True or False, got {weights_only!r}")
         self.io_mode = io_mode
         self.weights_only = weights_only
-        try:
-            self.collective_timeout = validate_timeout(collective_timeout)
-        except ValueError as exc:
-            raise ConfigError("collective_timeout", str(exc).split(": ", 1)[1]) from None
+        self.collective_timeout = validate_timeout(collective_timeout)
         self.on_resume = on_resume
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self.tracker = LoaderTracker()
