@@ -28,18 +28,18 @@ if not _logger.handlers and not logging.getLogger().handlers:
     _logger.propagate = False
 
 _EXPORTS = {
-    "HFSaverCallback": "areal_lightning.callbacks",
-    "RecoverCallback": "areal_lightning.callbacks",
-    "StepInfo": "areal_lightning.callbacks.recover",
-    "callbacks_from_config": "areal_lightning.callbacks",
-    "DCPCheckpointIO": "areal_lightning.checkpoint_io",
-    "StagingWaitCallback": "areal_lightning.checkpoint_io",
+    "HFSaverCallback": "areal_lightning.lightning",
+    "RecoverCallback": "areal_lightning.lightning",
+    "StepInfo": "areal_lightning.lightning.recover",
+    "callbacks_from_config": "areal_lightning.lightning",
+    "DCPCheckpointIO": "areal_lightning.lightning.checkpoint_io",
+    "StagingWaitCallback": "areal_lightning.lightning.checkpoint_io",
     "ConfigError": "areal_lightning.config",
     "ExperimentConfig": "areal_lightning.config",
     "RecoverConfig": "areal_lightning.config",
     "SaverConfig": "areal_lightning.config",
     "load_config": "areal_lightning.config",
-    "FreqController": "areal_lightning.freq",
+    "FreqController": "areal_lightning.trigger.freq",
     "TrialLayout": "areal_lightning.layout",
     "export_name": "areal_lightning.layout",
     "parse_export_name": "areal_lightning.layout",
@@ -65,10 +65,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from areal_lightning.callbacks import HFSaverCallback, RecoverCallback, callbacks_from_config
-    from areal_lightning.callbacks.recover import StepInfo
-    from areal_lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
+    from areal_lightning.lightning import HFSaverCallback, RecoverCallback, callbacks_from_config
+    from areal_lightning.lightning.recover import StepInfo
+    from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
     from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, SaverConfig, load_config
     from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, RankFailure
-    from areal_lightning.freq import FreqController
+    from areal_lightning.trigger.freq import FreqController
     from areal_lightning.layout import TrialLayout, export_name, parse_export_name

@@ -2,6 +2,6 @@
 
 import sys
 
-from areal_lightning.cli import main
+from areal_lightning.tools.cli import main
 
 sys.exit(main())

@@ -29,6 +29,8 @@ SHARED_CHECK_PREFIX = ".shared-check-"
 """A file rank 0 writes into the trial folder at setup (and removes) so that every rank
 can prove it sees the same storage (:func:`areal_lightning.collective.check_shared_storage`)."""
 RESERVED_NAMES = ("recover_info",)
+COMMIT_MARKER = ".metadata"
+"""The file whose presence marks a DCP directory as complete (DCP writes it last, atomically)."""
 
 
 @dataclass(frozen=True, order=True)

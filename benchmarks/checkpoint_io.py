@@ -50,7 +50,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from areal_lightning.engine import DCPEngine  # noqa: E402
+from areal_lightning.write.dcp import DCPEngine  # noqa: E402
 
 TENSOR_MB = 16
 SAVE_METHODS = ("raw_fsync", "host_copy", "torch_save", "lightning_async", "dcp_sync", "dcp_async")

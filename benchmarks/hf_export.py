@@ -36,9 +36,9 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from areal_lightning.commit import fsync_tree  # noqa: E402
-from areal_lightning.engine import BackgroundWorker  # noqa: E402
-from areal_lightning.hf import export_hf, prepare_tmp  # noqa: E402
+from areal_lightning.commit.atomic import fsync_tree  # noqa: E402
+from areal_lightning.stage import BackgroundWorker  # noqa: E402
+from areal_lightning.write.hf import export_hf, prepare_tmp  # noqa: E402
 
 METHODS = ("host_copy", "save_pretrained", "ours_sync", "ours_async")
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from areal_lightning.demo import build_tokenizer
+    from areal_lightning.tools.demo import build_tokenizer
 
     hf_logging.disable_progress_bar()
 

@@ -9,7 +9,7 @@ Spawns ``--world-size`` CPU processes (gloo), builds a randomly initialised Llam
 768, vocab 32000, ``--layers`` decoder layers; about 77M parameters, 310 MB in fp32, at 4
 layers) from a config on every rank and applies ``fully_shard`` to each decoder layer and to
 the root, as a Lightning ``ModelParallelStrategy`` run would in ``configure_model``. Then it
-exports it with :class:`areal_lightning.hf_distributed.DistributedHFExporter`, both methods
+exports it with :class:`areal_lightning.hf_export.DistributedHFExporter`, both methods
 in the same run, interleaved, sync and async (config + tokenizer + weights, fsynced and
 renamed into place, exactly what ``HFSaverCallback`` does):
 
@@ -68,8 +68,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch: 
     from torch.distributed.fsdp import fully_shard
     from transformers.utils import logging as hf_logging
 
-    from areal_lightning.demo import build_tokenizer
-    from areal_lightning.hf_distributed import DistributedHFExporter, export_state_dict
+    from areal_lightning.tools.demo import build_tokenizer
+    from areal_lightning.hf_export import DistributedHFExporter, export_state_dict
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

@@ -82,6 +82,6 @@ def make_trainer(callbacks: list, **kwargs: Any) -> pl.Trainer:
 
 @pytest.fixture
 def tokenizer() -> Any:
-    from areal_lightning.demo import build_tokenizer
+    from areal_lightning.tools.demo import build_tokenizer
 
     return build_tokenizer()

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from areal_lightning import HFSaverCallback, RecoverCallback, callbacks_from_config, load_config
 from areal_lightning.config import ExperimentConfig
-from areal_lightning.demo import DemoConfig
-from areal_lightning.inspect import inspect_trial
+from areal_lightning.tools.demo import DemoConfig
+from areal_lightning.tools.inspect import inspect_trial
 from tests.conftest import LMModule, make_trainer, tiny_llama, token_loader
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_lightning.config import ConfigError
-from areal_lightning.demo import DemoConfig, run_demo
+from areal_lightning.tools.demo import DemoConfig, run_demo
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = ["train.max_epochs=2", "train.num_samples=128", "train.batch_size=32", "train.hidden_size=32",

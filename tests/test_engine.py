@@ -1,4 +1,4 @@
-"""Tests of areal_lightning.engine: format round trip, async rules, failures, memory."""
+"""Tests of areal_lightning.write.dcp and areal_lightning.stage: format round trip, async rules, failures, memory."""
 
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_lightning import engine as engine_mod
-from areal_lightning.engine import (
-    COMMIT_MARKER,
-    BackgroundWorker,
-    CheckpointCorruptError,
-    CheckpointWriteError,
-    DCPEngine,
-)
+from areal_lightning.write import dcp as engine_mod
+from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.stage import BackgroundWorker
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.write.dcp import DCPEngine
 
 Point = collections.namedtuple("Point", "x y")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_lightning.freq import FreqController
+from areal_lightning.trigger.freq import FreqController
 
 
 class FakeClock:

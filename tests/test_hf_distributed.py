@@ -122,8 +122,8 @@ def weights_in_files(folder: Path) -> dict[str, torch.Tensor]:
 
 def single_process_export(script: Any, case: dict[str, Any], ref: dict[str, torch.Tensor], folder: Path) -> Path:
     """The same weights exported by the single-process path (``export_hf`` = ``save_pretrained``)."""
-    from areal_lightning.demo import build_tokenizer
-    from areal_lightning.hf import export_hf
+    from areal_lightning.tools.demo import build_tokenizer
+    from areal_lightning.write.hf import export_hf
 
     model = script.build_model(case["arch"])
     if case.get("extra_buffers"):
@@ -218,7 +218,7 @@ def test_sharded_method_is_validated_naming_the_field(tmp_path: Path) -> None:
 
 
 def test_export_state_dict_drops_tied_aliases_like_save_pretrained() -> None:
-    from areal_lightning.hf_distributed import export_state_dict
+    from areal_lightning.hf_export import export_state_dict
     from tests.conftest import tiny_gpt2, tiny_llama
 
     gpt2 = tiny_gpt2()
@@ -228,7 +228,7 @@ def test_export_state_dict_drops_tied_aliases_like_save_pretrained() -> None:
 
 
 def test_file_plan_puts_tensors_dcp_cannot_consolidate_in_one_extra_last_file() -> None:
-    from areal_lightning.hf_distributed import HFFilePlan, split_for_dcp
+    from areal_lightning.hf_export import HFFilePlan, split_for_dcp
 
     state = {"a": torch.zeros(10, 10), "ids": torch.arange(3), "b": torch.zeros(10, 10), "scale": torch.tensor(1.0)}
     shards, extras = split_for_dcp(state)

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from areal_lightning import HFSaverCallback, RecoverCallback
-from areal_lightning.cli import main
-from areal_lightning.inspect import inspect_path, inspect_trial
+from areal_lightning.tools.cli import main
+from areal_lightning.tools.inspect import inspect_path, inspect_trial
 from areal_lightning.layout import TrialLayout
 from tests.conftest import LMModule, make_trainer, tiny_llama, token_loader
 
@@ -39,7 +39,7 @@ def _train(fileroot: Path, trial: str, tokenizer: Any, **saver_kwargs: Any) -> N
 
 @pytest.fixture(scope="module")
 def built_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from areal_lightning.demo import build_tokenizer
+    from areal_lightning.tools.demo import build_tokenizer
 
     root = tmp_path_factory.mktemp("inspect_root")
     tok = build_tokenizer()
@@ -295,7 +295,7 @@ def test_interrupted_swap_reports_what_the_next_start_uses(tmp_path: Path, token
     assert "interrupted by a crash" in t["warnings"][0]
     assert sum("part of the interrupted swap" in w for w in t["warnings"]) >= 2
     # the next start indeed rolls forward to exactly that checkpoint
-    from areal_lightning.recover_store import RecoverStore
+    from areal_lightning.commit.recover_store import RecoverStore
 
     store = RecoverStore(TrialLayout(tmp_path, USER, EXP, "swap"))
     assert store.repair() == t["recover_info"]["pending_swap"]
@@ -304,7 +304,7 @@ def test_interrupted_swap_reports_what_the_next_start_uses(tmp_path: Path, token
 
 @pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux /proc/locks")
 def test_trial_being_trained_is_recognised_without_taking_the_lock(root: Path) -> None:
-    from areal_lightning.recover_store import TrialLock
+    from areal_lightning.commit.recover_store import TrialLock
 
     tdir = trial_dir(root, "plain")
     (tdir / "default" / ".tmp-recover_checkpoint-9-0123abcd").mkdir()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from areal_lightning._fault import ENV_VAR, InjectedFault
-from areal_lightning.commit import atomic_write_json, clean_stale_tmp, publish_dir, remove_dir
+from areal_lightning.commit.atomic import atomic_write_json, clean_stale_tmp, publish_dir, remove_dir
 from areal_lightning.layout import ExportName, TrialLayout, export_name, parse_export_name, tmp_sibling
 
 

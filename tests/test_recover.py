@@ -26,7 +26,7 @@ from areal_lightning import (
     StepInfo,
     callbacks_from_config,
 )
-from areal_lightning.recover_store import INFO_FILES, RecoverMismatchError
+from areal_lightning.commit.recover_store import INFO_FILES, RecoverMismatchError
 from tests.conftest import LMModule, tiny_llama, token_loader
 
 
@@ -440,7 +440,7 @@ def test_auto_resume_unpickles_with_weights_only_unless_told_otherwise(tmp_path)
 def test_resharding_maps_a_distributed_sampler_position_or_explains_why_not() -> None:
     """Mid-epoch positions map by samples consumed when exact; otherwise a clear error (the
     2-process runs in tests/test_distributed.py prove the mapped runs train every sample once)."""
-    from areal_lightning.state.data import remap_position
+    from areal_lightning.capture.loader import remap_position
 
     def state(batches: int, sampler: str = "DistributedSampler", stateful: bool = False) -> dict:
         return {"at_boundary": False, "loaders": {"0": {"batches_done": batches, "sampler": sampler,

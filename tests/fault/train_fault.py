@@ -10,7 +10,7 @@ schedule: by default 2 epochs of 8 steps. ``RecoverCallback`` checkpoints every
 epoch 1 at its first step) and ``HFSaverCallback`` exports every ``--hf-freq-steps`` steps
 keeping ``--max-keep`` exports (so both the recover and the HF fault points are reached,
 max_keep deletions included), both in ``--mode``.
-``areal_lightning.certify.LossRecorder`` records every step's loss for certify.
+``areal_lightning.tools.certify.LossRecorder`` records every step's loss for certify.
 ``--devices 2``: ``strategy="ddp"`` on 2 CPU processes (gloo).
 """
 
@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from areal_lightning import HFSaverCallback, RecoverCallback
-from areal_lightning.certify import LossRecorder
+from areal_lightning.tools.certify import LossRecorder
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

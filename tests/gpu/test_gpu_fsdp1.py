@@ -48,7 +48,8 @@ def _slow_then_add(x: torch.Tensor) -> None:
 
 
 def test_async_staging_waits_for_the_compute_stream(tmp_path) -> None:
-    from areal_lightning.engine import DCPEngine, HostStager
+    from areal_lightning.write.dcp import DCPEngine
+    from areal_lightning.stage import HostStager
 
     x = torch.zeros(1 << 22, device="cuda")
     torch.cuda.synchronize()
@@ -69,7 +70,7 @@ def test_async_staging_waits_for_the_compute_stream(tmp_path) -> None:
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: background threads must use the caller's device")
 def test_background_threads_use_the_callers_device() -> None:
-    from areal_lightning.engine import BackgroundWorker, HostStager
+    from areal_lightning.stage import BackgroundWorker, HostStager
 
     torch.cuda.set_device(1)
     try:

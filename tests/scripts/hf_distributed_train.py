@@ -79,7 +79,7 @@ def decoder_layers(model: Any) -> Any:
 class LM(pl.LightningModule):
     def __init__(self, arch: str, fsdp: bool, extra_buffers: bool) -> None:
         super().__init__()
-        from areal_lightning.demo import build_tokenizer
+        from areal_lightning.tools.demo import build_tokenizer
 
         self.model = build_model(arch)
         self.tokenizer = build_tokenizer()

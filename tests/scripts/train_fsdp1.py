@@ -47,7 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def build_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from areal_lightning.demo import build_tokenizer
+    from areal_lightning.tools.demo import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)

@@ -14,12 +14,12 @@ from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup, validate_timeout
-from areal_lightning.commit import clean_stale_tmp, remove_dir
+from areal_lightning.commit.atomic import clean_stale_tmp, remove_dir
 from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, as_experiment, validate_model_name
-from areal_lightning.engine import BackgroundWorker
-from areal_lightning.freq import EpochPosition, FreqController
-from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
-from areal_lightning.hf_distributed import DEFAULT_SHARDED_METHOD, SHARDED_METHODS, DistributedHFExporter, fsdp1_root
+from areal_lightning.stage import BackgroundWorker
+from areal_lightning.trigger.freq import EpochPosition, FreqController
+from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
+from areal_lightning.hf_export import DEFAULT_SHARDED_METHOD, SHARDED_METHODS, DistributedHFExporter, fsdp1_root
 from areal_lightning.layout import TrialLayout
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 
@@ -47,7 +47,7 @@ class HFSaverCallback(Callback):
     twice. The trigger progress is part of Lightning's callback state, so a resumed run
     neither double-saves nor skips a save.
 
-    Multi-process runs (see :mod:`areal_lightning.hf_distributed`): every rank takes part in
+    Multi-process runs (see :mod:`areal_lightning.hf_export`): every rank takes part in
     each export and the files are written once, by rank 0. Under DDP rank 0 exports its
     replica. Under FSDP2 / tensor parallelism (``DTensor`` parameters) no rank gathers the
     model on its accelerator: ``sharded_method="gather"`` streams full tensors one at a time
@@ -211,7 +211,7 @@ class HFSaverCallback(Callback):
     def _resolve_mode(self, trainer: "pl.Trainer") -> str:
         mode = self.config.mode
         if mode == "auto":
-            from areal_lightning.checkpoint_io import _find_io
+            from areal_lightning.lightning.checkpoint_io import _find_io
 
             return "async" if _find_io(trainer) is not None else "sync"
         return mode

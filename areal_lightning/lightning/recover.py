@@ -19,16 +19,16 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from areal_lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge, is_sharded, warn_if_single_fsdp_unit
-from areal_lightning.checkpoint_io import DCPCheckpointIO, _find_io
+from areal_lightning.lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge, is_sharded, warn_if_single_fsdp_unit
+from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, _find_io
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, check_shared_storage, validate_timeout
 from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
-from areal_lightning.engine import CheckpointCorruptError
-from areal_lightning.freq import EpochPosition, FreqController
+from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.trigger.freq import EpochPosition, FreqController
 from areal_lightning.layout import TrialLayout
-from areal_lightning.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore, TrialLock
-from areal_lightning.state.data import LoaderTracker, is_stateful_loader, remap_position
-from areal_lightning.state.rng import capture_rng, restore_rng
+from areal_lightning.commit.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore, TrialLock
+from areal_lightning.capture.loader import LoaderTracker, is_stateful_loader, remap_position
+from areal_lightning.capture.rng import capture_rng, restore_rng
 from areal_lightning.telemetry import SaveReport, Telemetry
 
 __all__ = ["RecoverCallback", "StepInfo"]
@@ -552,7 +552,7 @@ class RecoverCallback(Callback):
         held["call"] = time.perf_counter() - start
 
     def _build_info(self, trainer: "pl.Trainer", checkpoint: dict[str, Any], boundary: bool) -> dict[str, dict]:
-        from areal_lightning.callbacks.hf_saver import HFSaverCallback
+        from areal_lightning.lightning.hf_saver import HFSaverCallback
 
         loop = trainer.fit_loop.epoch_loop
         loaders = []

@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from areal_lightning.demo import run_demo
+    from areal_lightning.tools.demo import run_demo
 
     summary = run_demo(args.config, args.overrides)
     print(f"\ntrained {summary['global_step']} steps")
@@ -39,7 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from areal_lightning.config import load_config
-    from areal_lightning.supervisor import run_with_retries
+    from areal_lightning.tools.supervisor import run_with_retries
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -57,14 +57,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from areal_lightning.inspect import run_inspect
+    from areal_lightning.tools.inspect import run_inspect
 
     return run_inspect(args.path, verify=args.verify, as_json=args.json, user=args.user,
                        experiment=args.experiment, trial=args.trial)
 
 
 def _certify(args: argparse.Namespace) -> int:
-    from areal_lightning.certify import CertifyUsageError, certify
+    from areal_lightning.tools.certify import CertifyUsageError, certify
 
     try:
         return certify(args.command, points=args.points or "all", modes=args.modes, timeout=args.timeout,
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
             "checkpoint, that every per-step loss equals the reference bit for bit, that no temporary\n"
             "folder is left and that every HF export loads (and equals the reference's).\n\n"
             "The command must use RecoverCallback with fileroot={root}, take the mode from {mode}, and\n"
-            "record its losses: add areal_lightning.certify.LossRecorder() to the Trainer's callbacks (or\n"
+            "record its losses: add areal_lightning.tools.certify.LossRecorder() to the Trainer's callbacks (or\n"
             "append {\"step\": int, \"loss\": float.hex(), \"rank\": int} JSON lines to the file {losses}).\n"
             "{root}, {mode}, {losses} are also in $AREAL_LIGHTNING_CERTIFY_ROOT/_MODE/_LOSSES.\n\n"
             "Exit code 0: no case failed; 1: a case or a reference run failed (--strict: or a point was\n"

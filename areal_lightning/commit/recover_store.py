@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_lightning._fault import fault_point
-from areal_lightning.commit import atomic_write_json, fsync_dir
-from areal_lightning.engine import COMMIT_MARKER, CheckpointCorruptError
+from areal_lightning.commit.atomic import atomic_write_json, fsync_dir
+from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.errors import CheckpointCorruptError
 from areal_lightning.layout import TrialLayout
 
 __all__ = ["TrialLock", "RecoverStore", "RecoverMismatchError", "INFO_FILES", "FORMAT_VERSION", "file_checksums", "file_checksums_of"]

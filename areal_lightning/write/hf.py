@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from areal_lightning._fault import fault_point
-from areal_lightning.commit import publish_dir
+from areal_lightning.commit.atomic import publish_dir
 from areal_lightning.layout import tmp_sibling
 
 __all__ = ["export_hf", "finish_export", "DEFAULT_MAX_SHARD_SIZE"]

@@ -78,9 +78,6 @@ trusted storage (``weights_only=True`` restricts the skeleton like ``torch.load`
 
 from __future__ import annotations
 
-import concurrent.futures
-import copy
-import dataclasses
 import io
 import logging
 import os
@@ -89,8 +86,6 @@ import shutil
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -102,23 +97,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_point
+from areal_lightning.stage.host import bind_thread_to, cuda_device
+from areal_lightning.stage.worker import BackgroundWorker
+from areal_lightning.write.dcp_format import SKELETON_KEY, TensorSlot, fill, flat_tensors, split
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
-from areal_lightning.commit import fsync_dir
+from areal_lightning.commit.atomic import fsync_dir
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.layout import COMMIT_MARKER
 
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-COMMIT_MARKER = ".metadata"
-"""File whose presence marks a DCP directory as complete (written last, atomically)."""
-
-_SKELETON_KEY = "__areal_lightning_skeleton__"
 
 # DCP warns on every rank-local save/load that it "assumes the intent" of a single process;
 # that is exactly our intent, so this one message is silenced (nothing else is).
@@ -130,313 +123,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 _IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]" = weakref.WeakValueDictionary()
 
 
-# --------------------------------------------------------------------------------------
-# Staging
-
-
-def staging_options() -> StagingOptions:
-    """Staging options for this build: pinned memory and non-blocking copies only where an
-    accelerator exists (``DefaultStager()`` with default options raises on CPU-only builds).
-    Never shared memory: saves run in a thread of this process (DCP's THREAD checkpointer),
-    and ``/dev/shm`` is small in containers (64 MB by default in Docker: SIGBUS). The copy
-    runs in :class:`HostStager`'s own thread, so the stager itself stages synchronously."""
-    accel = torch.accelerator.is_available()
-    return StagingOptions(
-        use_pinned_memory=accel,
-        use_shared_memory=False,
-        use_async_staging=False,
-        use_non_blocking_copy=accel,
-    )
-
-
-def _cuda_device() -> torch.device | None:
-    """The calling thread's current CUDA device, or ``None`` without CUDA."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def bind_thread_to(device: torch.device | None) -> None:
-    """Make a background thread use ``device`` (from :func:`_cuda_device` in the thread that
-    started it): a new thread's CUDA calls default to GPU 0, which would create a context
-    there on every rank."""
-    if device is not None:
-        torch.cuda.set_device(device)
-
-
-def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[Mapping[str, Any]], dict[str, Any]]]:
-    """Replace every ``ShardedTensor`` (FSDP1's sharded state dicts) of a flat dict by its
-    local shard tensors, which any stager copies; return that dict and the function that
-    rebuilds the ``ShardedTensor`` s around the staged copies (same global metadata, shards
-    placed on CPU). DCP's own stager cannot copy a ``ShardedTensor`` (it calls
-    ``data_ptr()``, which ``ShardedTensor`` refuses)."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    plain: dict[str, Any] = {}
-    sharded: dict[str, tuple[ShardedTensor, list[str]]] = {}
-    for key, value in state.items():
-        if isinstance(value, ShardedTensor):
-            keys = [f"{key}\x00shard{i}" for i in range(len(value.local_shards()))]
-            for k, shard in zip(keys, value.local_shards()):
-                plain[k] = shard.tensor
-            sharded[key] = (value, keys)
-        else:
-            plain[key] = value
-    if not sharded:
-        return plain, dict
-
-    def on_cpu(shard_meta: Any) -> Any:
-        return dataclasses.replace(shard_meta, placement=f"rank:{shard_meta.placement.rank()}/cpu")
-
-    def rebuild(staged: Mapping[str, Any]) -> dict[str, Any]:
-        out = {k: v for k, v in staged.items() if "\x00shard" not in k}
-        for key, (source, keys) in sharded.items():
-            meta = copy.copy(source.metadata())
-            meta.shards_metadata = [on_cpu(m) for m in meta.shards_metadata]
-            if keys:  # the staged copies may be pinned (their source never is): ShardedTensor checks it
-                meta.tensor_properties = dataclasses.replace(meta.tensor_properties,
-                                                             pin_memory=staged[keys[0]].is_pinned())
-            shards = [Shard(staged[k], on_cpu(s.metadata)) for k, s in zip(keys, source.local_shards())]
-            out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
-                shards, meta, process_group=source._process_group)
-        return out
-
-    return plain, rebuild
-
-
-class HostStager:
-    """Copies state dicts to long-lived host buffers in its own thread; implements the
-    ``stage`` / ``synchronize_staging`` / ``close`` protocol ``dcp.async_save`` expects of
-    an ``async_stager``.
-
-    * Buffers come from one ``DefaultStager``, cached by source storage and reused by every
-      later staging of the same tensors (no growth across saves); pinned on CUDA. (State
-      dicts made of fresh copies at each save, such as FSDP1's, get fresh buffers.)
-    * ``ShardedTensor`` s (FSDP1) are staged through their local shards.
-    * CUDA: the copy is ordered after the work queued so far on the caller's current
-      stream (an event recorded at :meth:`stage`, waited for on the copying thread's
-      stream), and the copying thread uses the caller's device.
-
-    Use it from one thread. A staged dict stays valid until the next staging of the same
-    tensors overwrites the buffers."""
-
-    should_synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self._stager: DefaultStager | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._last: Future | None = None
-        self._stream: Any = None  # CUDA: the copy stream
-
-    def stage(self, state_dict: Mapping[str, Any]) -> Future:
-        """Start copying ``state_dict`` to host in the stager's thread; the future holds the copy."""
-        if self._executor is None:
-            self._stager = DefaultStager(staging_options())
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal-stage",
-                                                initializer=bind_thread_to, initargs=(_cuda_device(),))
-        ready = stream = None
-        if _cuda_device() is not None:
-            ready = torch.cuda.Event()
-            ready.record()  # on the caller's current stream: what training queued so far
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()  # created on the caller's thread and device
-            stream = self._stream
-        plain, rebuild = _unshard_views(state_dict)
-        stager = self._stager
-
-        def copy_now() -> dict[str, Any]:
-            if ready is None:
-                return rebuild(stager.stage(plain))
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                staged = stager.stage(plain)  # non-blocking copies on this stream, then a sync
-            return rebuild(staged)
-
-        self._last = self._executor.submit(copy_now)
-        return self._last
-
-    def synchronize_staging(self) -> None:
-        """Wait for the last staging (DCP's protocol)."""
-        if self._last is not None:
-            concurrent.futures.wait([self._last])
-
-    def stage_to_host(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``state_dict`` into the reused host buffers and return the copy (blocking)."""
-        return self.stage(state_dict).result()
-
-    def close(self) -> None:
-        """Free the host buffers and the thread; the next use builds fresh ones."""
-        self.synchronize_staging()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
-        self._last = None
-
-
-# --------------------------------------------------------------------------------------
-# Single-in-flight background jobs
-
-
-@dataclass
-class _Job:
-    label: str
-    done: Future
-    staged: Future | None
-
-
-class BackgroundWorker:
-    """At most one background job in flight; its failure is stored and raised once.
-
-    All methods are meant to be called from one (the training) thread."""
-
-    def __init__(self, name: str = "areal-ckpt") -> None:
-        self._name = name
-        self._executor: ThreadPoolExecutor | None = None
-        self._job: _Job | None = None
-        self._failure: CheckpointWriteError | None = None
-        self._stager = HostStager()
-
-    @property
-    def in_flight(self) -> str | None:
-        """Label (usually the path) of the unfinished job, else ``None``."""
-        if self._job is not None and not self._job.done.done():
-            return self._job.label
-        return None
-
-    def stage_to_host(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Wait for the job in flight (it may still read the buffers), raising its failure,
-        then copy ``state_dict`` into the reused host buffers and return the copy."""
-        self.wait()
-        return self._stager.stage_to_host(state_dict)
-
-    def submit(self, fn: Callable[[], object], *, label: str) -> None:
-        """Wait for the previous job (raising its failure), then run ``fn()`` in the
-        background. ``label`` (e.g. the output path) names the job in error messages."""
-        self.wait()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name,
-                                                initializer=bind_thread_to, initargs=(_cuda_device(),))
-        self._job = _Job(label, self._executor.submit(fn), None)
-
-    def wait_for_staging(self) -> None:
-        """Return once the job in flight no longer reads the live tensors (its host copy is
-        done, or it ended). Never raises: failures surface through :meth:`wait`."""
-        job = self._job
-        if job is not None and job.staged is not None:
-            concurrent.futures.wait([job.staged, job.done], return_when=concurrent.futures.FIRST_COMPLETED)
-
-    def join(self) -> None:
-        """Wait for the job in flight; keep any failure for the next raising call."""
-        job, self._job = self._job, None
-        if job is None:
-            return
-        error = job.done.exception()  # blocks; a BaseException from the worker lands here too
-        if error is not None and self._failure is None:
-            self._failure = CheckpointWriteError(f"background checkpoint job for {job.label} failed: {error!r}")
-            self._failure.__cause__ = error
-            log.error("%s", self._failure)
-
-    def raise_if_failed(self) -> None:
-        """Raise (once) the stored failure of a finished job, without waiting."""
-        if self._job is not None and self._job.done.done():
-            self.join()
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
-
-    def wait(self) -> None:
-        """Wait for the job in flight; raise (once) its failure or an earlier stored one."""
-        self.join()
-        self.raise_if_failed()
-
-    def close(self) -> None:
-        """Wait, free the staging buffers and the thread, then raise any stored failure."""
-        try:
-            self.join()
-        finally:
-            self._stager.close()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-        self.raise_if_failed()
-
-    def _track(self, label: str, done: Future, staged: Future | None) -> None:
-        """Adopt a job started elsewhere (``dcp.async_save``); the caller waited before."""
-        self._job = _Job(label, done, staged)
-
-
-# --------------------------------------------------------------------------------------
-# Nested checkpoint <-> flat DCP state dict
-
-
-@dataclass(frozen=True)
-class _TensorSlot:
-    """Placeholder for a tensor inside the skeleton (part of the on-disk format)."""
-
-    fqn: str
-
-
-_ATOMIC = (type(None), bool, int, float, complex, str, bytes)
-
-
-def _split(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Flat DCP dict: ``{dotted path: tensor}`` plus the skeleton under ``_SKELETON_KEY``.
-
-    The skeleton is a point-in-time copy of every non-tensor value, taken now in the
-    caller's thread, so later mutation of Python state cannot leak into an async save."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(obj: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            base = ".".join(path)
-            fqn, n = base, 1
-            while fqn in tensors or fqn == _SKELETON_KEY:
-                fqn, n = f"{base}#{n}", n + 1
-            tensors[fqn] = obj
-            return _TensorSlot(fqn)
-        if isinstance(obj, _ATOMIC):
-            return obj
-        if isinstance(obj, dict):
-            out = copy.copy(obj)
-            for key, value in obj.items():
-                out[key] = walk(value, (*path, str(key)))
-            return out
-        if isinstance(obj, list):
-            return [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            items = [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return copy.deepcopy(obj)
-
-    skeleton = walk(dict(state), ())
-    return {**tensors, _SKELETON_KEY: skeleton}
-
-
-def _fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Replace every slot in a freshly loaded skeleton by its tensor (in place where possible)."""
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.fqn]
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            obj[key] = _fill(value, tensors)
-        return obj
-    if isinstance(obj, list):
-        obj[:] = [_fill(v, tensors) for v in obj]
-        return obj
-    if isinstance(obj, tuple):
-        items = [_fill(v, tensors) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def _flat_tensors(template: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors of a template under the dotted paths :func:`_split` would give them."""
-    flat = _split(template)
-    flat.pop(_SKELETON_KEY)
-    return flat
 
 
 # --------------------------------------------------------------------------------------
@@ -451,7 +137,7 @@ class _CommitWriter(FileSystemWriter):
     def __init__(self, *args: Any, on_commit: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_commit = on_commit
-        self._device = _cuda_device()  # of the training thread (an async save runs in DCP's thread)
+        self._device = cuda_device()  # of the training thread (an async save runs in DCP's thread)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         bind_thread_to(self._device)
@@ -528,7 +214,7 @@ class _TemplateLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            with torch.serialization.safe_globals([_TensorSlot]):
+            with torch.serialization.safe_globals([TensorSlot]):
                 if self._weights_only is False:  # the caller's explicit choice (trusted storage)
                     obj = _load_trusted(value)
                 else:  # None (default) and True: weights-only, whatever torch's default is
@@ -694,11 +380,11 @@ class DCPEngine:
         try:
             self._worker.wait()
             fault_point("engine.before_staging")
-            flat = _split(state)
+            flat = split(state)
             if rank != 0:
                 # Collective save: rank 0's skeleton describes the checkpoint; the others'
                 # contribute tensors only (DCP would keep one arbitrary rank's byte item).
-                flat.pop(_SKELETON_KEY)
+                flat.pop(SKELETON_KEY)
             _invalidate(path, withdraw_marker=rank == 0)
             writer = _CommitWriter(
                 path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, on_commit=on_commit
@@ -766,13 +452,13 @@ class DCPEngine:
         except Exception as exc:
             raise CheckpointCorruptError(f"{path / COMMIT_MARKER} is unreadable: {exc!r}") from exc
         entries = metadata.state_dict_metadata
-        if not isinstance(entries.get(_SKELETON_KEY), BytesStorageMetadata):
+        if not isinstance(entries.get(SKELETON_KEY), BytesStorageMetadata):
             raise CheckpointCorruptError(
                 f"{path} is a DCP checkpoint but was not written by areal_lightning (no "
-                f"{_SKELETON_KEY!r} entry); load it with torch.distributed.checkpoint directly"
+                f"{SKELETON_KEY!r} entry); load it with torch.distributed.checkpoint directly"
             )
-        given = _flat_tensors(template) if template is not None else {}
-        flat: dict[str, Any] = {_SKELETON_KEY: None}
+        given = flat_tensors(template) if template is not None else {}
+        flat: dict[str, Any] = {SKELETON_KEY: None}
         allocated: set[str] = set()
         for fqn, md in entries.items():
             if isinstance(md, TensorStorageMetadata):
@@ -795,8 +481,8 @@ class DCPEngine:
                     f"{planner.refused}"
                 ) from planner.refused
             raise CheckpointCorruptError(f"failed to read checkpoint {path}: {exc!r}") from exc
-        skeleton = flat.pop(_SKELETON_KEY)
-        return _fill(skeleton, flat)
+        skeleton = flat.pop(SKELETON_KEY)
+        return fill(skeleton, flat)
 
     def remove(self, path: PathLike) -> None:
         """Delete the checkpoint at ``path``; waits first if it is the save in flight."""

@@ -6,8 +6,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from areal_lightning.callbacks.hf_saver import HFSaverCallback
-from areal_lightning.callbacks.recover import RecoverCallback
+from areal_lightning.lightning.hf_saver import HFSaverCallback
+from areal_lightning.lightning.recover import RecoverCallback
 from areal_lightning.config import as_experiment
 
 __all__ = ["HFSaverCallback", "RecoverCallback", "callbacks_from_config"]

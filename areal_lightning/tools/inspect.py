@@ -18,7 +18,7 @@ no errors; warnings (leftovers, an interrupted swap the next start rolls forward
 recover checkpoint without ``recover_info/``) do not make it invalid.
 
 Example:
-    >>> from areal_lightning.inspect import inspect_path
+    >>> from areal_lightning.tools.inspect import inspect_path
     >>> reports = inspect_path("/data/ckpt", verify=True)        # doctest: +SKIP
     >>> [(r["trial_name"], r["valid"]) for r in reports]         # doctest: +SKIP
     [('run1', True)]
@@ -209,7 +209,7 @@ def inspect_export(path: Path, now: float | None = None) -> dict[str, Any]:
 def _pending_swap(layout: TrialLayout, name: str) -> tuple[str, Path, Path] | None:
     """The swap a crash interrupted that the next start finishes (read-only):
     ``(generation, info dir, checkpoint dir)`` of the pair it will use, or ``None``."""
-    from areal_lightning.recover_store import RecoverStore
+    from areal_lightning.commit.recover_store import RecoverStore
 
     store = RecoverStore(layout, name)
     gen = store.pending_swap()
@@ -221,8 +221,8 @@ def _pending_swap(layout: TrialLayout, name: str) -> tuple[str, Path, Path] | No
 
 def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, now: float,
                      errors: list[str], warnings: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from areal_lightning.engine import CheckpointCorruptError
-    from areal_lightning.recover_store import INFO_FILES, RecoverStore
+    from areal_lightning.errors import CheckpointCorruptError
+    from areal_lightning.commit.recover_store import INFO_FILES, RecoverStore
 
     ckpt_names = [n for n in model_names if layout.recover_checkpoint_dir(n).is_dir()]
     stores = {n: RecoverStore(layout, n) for n in ckpt_names}

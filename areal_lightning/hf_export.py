@@ -1,7 +1,7 @@
 """HuggingFace export when ``torch.distributed`` runs more than one rank (DDP, FSDP2, DTensor).
 
 Every rank calls :meth:`DistributedHFExporter.export` for the same folder, in the same
-order. The result is the layout of :func:`areal_lightning.hf.export_hf`: ``config.json``
+order. The result is the layout of :func:`areal_lightning.write.hf.export_hf`: ``config.json``
 (+ ``generation_config.json``), ``model.safetensors`` or ``model-0000k-of-0000N.safetensors``
 + ``model.safetensors.index.json``, and the tokenizer, each written once (by rank 0) into a
 hidden temporary sibling that is fsynced and renamed into place.
@@ -52,7 +52,7 @@ model does not fit in rank 0's host memory.
 Async (``asynchronous=True``)
     The training thread is held only for the host copy: ``"gather"`` gathers to rank 0's
     host memory (a collective on the training process group, so it must run on the training
-    thread), then rank 0 writes in a :class:`~areal_lightning.engine.BackgroundWorker`
+    thread), then rank 0 writes in a :class:`~areal_lightning.stage.BackgroundWorker`
     thread. ``"dcp"`` copies each rank's local shards to reused host buffers, then every
     rank runs ``dcp.save`` in its background thread on a dedicated gloo group, which shares
     nothing with training collectives.
@@ -93,8 +93,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
-from areal_lightning.engine import BackgroundWorker, CheckpointWriteError
-from areal_lightning.hf import DEFAULT_MAX_SHARD_SIZE, _quiet_hf_progress, export_hf, finish_export, prepare_tmp
+from areal_lightning.stage import BackgroundWorker
+from areal_lightning.errors import CheckpointWriteError
+from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE, _quiet_hf_progress, export_hf, finish_export, prepare_tmp
 
 __all__ = [
     "SHARDED_METHODS",

@@ -5,7 +5,7 @@ only, and ``FSDPStrategy`` (sharded) / ``ModelParallelStrategy`` bypass the ``Ch
 and call DCP themselves. :func:`install_bridge` replaces the strategy instance's
 ``save_checkpoint`` and ``load_checkpoint`` so that, for every strategy,
 
-* **every rank** calls :class:`~areal_lightning.checkpoint_io.DCPCheckpointIO` with its own
+* **every rank** calls :class:`~areal_lightning.lightning.checkpoint_io.DCPCheckpointIO` with its own
   state, as one collective DCP save: replicated (DDP) tensors are written once, spread over
   the ranks by DCP's de-duplication; sharded (FSDP1 ``ShardedTensor``/``DTensor``, FSDP2
   ``DTensor``) tensors are written by the rank that holds each shard -- no rank gathers the
@@ -100,7 +100,7 @@ def warn_if_single_fsdp_unit(strategy: Strategy) -> None:
 
 def install_bridge(strategy: Strategy, io: Any) -> None:
     """Make ``strategy`` save and load every rank's own state through ``io`` (a
-    :class:`~areal_lightning.checkpoint_io.DCPCheckpointIO`). Idempotent; see the module doc."""
+    :class:`~areal_lightning.lightning.checkpoint_io.DCPCheckpointIO`). Idempotent; see the module doc."""
     if strategy.__dict__.get("_areal_bridge") is io:
         return
     if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type != "sharded":

@@ -542,7 +542,7 @@ class Certifier:
             return ref
         trials = find_trials(ref.root)
         if not ref.losses:
-            ref.error = ("the command recorded no losses: add areal_lightning.certify.LossRecorder() to the "
+            ref.error = ("the command recorded no losses: add areal_lightning.tools.certify.LossRecorder() to the "
                          "Trainer's callbacks, or append {\"step\", \"loss\"} JSON lines to {losses} "
                          f"(${ENV_LOSSES})")
         elif not trials:

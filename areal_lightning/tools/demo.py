@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from areal_lightning.callbacks import callbacks_from_config
+from areal_lightning.lightning import callbacks_from_config
 from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, load_config
 
 __all__ = ["DemoConfig", "DemoTrainConfig", "build_tokenizer", "AdditionDataset", "TinyCausalLM", "run_demo"]

@@ -15,7 +15,7 @@ Public API::
 ``trainer.save_checkpoint(path)`` writes ``path/`` as a DCP directory (``.metadata`` plus
 ``__0_*.distcp``), ``trainer.fit(ckpt_path=path)`` resumes from it. The whole Lightning
 checkpoint dict round-trips -- including integer optimizer-state keys, empty containers
-and non-tensor leaves -- through :class:`areal_lightning.engine.DCPEngine`.
+and non-tensor leaves -- through :class:`areal_lightning.write.dcp.DCPEngine`.
 
 Where the training loop waits for staging
     An async save returns once the host copy has *started*; the live weights must not
@@ -31,7 +31,7 @@ Where the training loop waits for staging
 Distributed: Lightning's base ``Strategy`` calls ``save_checkpoint``/``remove_checkpoint``
 on global rank 0 only (FSDP and ModelParallel bypass the ``CheckpointIO`` altogether).
 :class:`StagingWaitCallback` and ``RecoverCallback`` install the strategy bridge
-(:mod:`areal_lightning.bridge`) in ``setup``: then every rank calls ``save_checkpoint``
+(:mod:`areal_lightning.lightning.bridge`) in ``setup``: then every rank calls ``save_checkpoint``
 with its own (replicated or sharded) state and writes its own ``__{rank}_*.distcp`` files
 in one collective DCP save, and loads reshard into the live model. Without the bridge
 (no such callback) saves stay rank-0-only and rank-local.
@@ -53,8 +53,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
-from areal_lightning.bridge import install_bridge
-from areal_lightning.engine import DCPEngine
+from areal_lightning.lightning.bridge import install_bridge
+from areal_lightning.write.dcp import DCPEngine
 
 log = logging.getLogger(__name__)
 

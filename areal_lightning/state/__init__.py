@@ -1,1 +1,0 @@
-"""Capture and restore of training state that Lightning does not checkpoint itself."""

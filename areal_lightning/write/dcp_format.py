@@ -1,0 +1,93 @@
+"""Write: the on-disk format of a nested checkpoint inside a flat DCP state dict.
+
+Tensors are stored under their dotted path (``state_dict.layer.weight``), as a plain
+``dcp.save`` of the nested dict would name them; every non-tensor part is stored once, as a
+"skeleton" object (the structure with each tensor replaced by a :class:`TensorSlot` naming
+it), which DCP pickles into one byte item under :data:`SKELETON_KEY`. This keeps integer
+keys (optimizer ``state`` keys), empty containers and container types, which DCP's own
+flattening loses. :func:`split` makes the flat dict, :func:`fill` rebuilds the structure.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+__all__ = ["SKELETON_KEY", "TensorSlot", "split", "fill", "flat_tensors"]
+
+SKELETON_KEY = "__areal_lightning_skeleton__"
+"""The flat-dict key of the pickled skeleton (part of the on-disk format)."""
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Placeholder for a tensor inside the skeleton (part of the on-disk format)."""
+
+    fqn: str
+
+
+_ATOMIC = (type(None), bool, int, float, complex, str, bytes)
+
+
+def split(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat DCP dict: ``{dotted path: tensor}`` plus the skeleton under ``SKELETON_KEY``.
+
+    The skeleton is a point-in-time copy of every non-tensor value, taken now in the
+    caller's thread, so later mutation of Python state cannot leak into an async save."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            base = ".".join(path)
+            fqn, n = base, 1
+            while fqn in tensors or fqn == SKELETON_KEY:
+                fqn, n = f"{base}#{n}", n + 1
+            tensors[fqn] = obj
+            return TensorSlot(fqn)
+        if isinstance(obj, _ATOMIC):
+            return obj
+        if isinstance(obj, dict):
+            out = copy.copy(obj)
+            for key, value in obj.items():
+                out[key] = walk(value, (*path, str(key)))
+            return out
+        if isinstance(obj, list):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            items = [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        return copy.deepcopy(obj)
+
+    skeleton = walk(dict(state), ())
+    return {**tensors, SKELETON_KEY: skeleton}
+
+
+def fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Replace every slot in a freshly loaded skeleton by its tensor (in place where possible)."""
+    if isinstance(obj, TensorSlot):
+        return tensors[obj.fqn]
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = fill(value, tensors)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [fill(v, tensors) for v in obj]
+        return obj
+    if isinstance(obj, tuple):
+        items = [fill(v, tensors) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def flat_tensors(template: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors of a template under the dotted paths :func:`split` would give them."""
+    flat = split(template)
+    flat.pop(SKELETON_KEY)
+    return flat
+
+
