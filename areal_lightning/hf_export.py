@@ -1,6 +1,6 @@
 """HuggingFace export when ``torch.distributed`` runs more than one rank (DDP, FSDP2, DTensor).
 
-Every rank calls :meth:`DistributedHFExporter.export` for the same folder, in the same
+Every rank calls :meth:`HFExporter.export` for the same folder, in the same
 order. The result is the layout of :func:`areal_lightning.write.hf.export_hf`: ``config.json``
 (+ ``generation_config.json``), ``model.safetensors`` or ``model-0000k-of-0000N.safetensors``
 + ``model.safetensors.index.json``, and the tokenizer, each written once (by rank 0) into a
@@ -58,7 +58,7 @@ Async (``asynchronous=True``)
     nothing with training collectives.
 
 Agreement
-    Before each async export (and at :meth:`DistributedHFExporter.close` with
+    Before each async export (and at :meth:`HFExporter.close` with
     ``agree=True``), every rank waits for its own export in flight, then all ranks exchange
     "did it succeed" on the dedicated gloo group: no rank starts an export (or its
     collectives) while another is still inside the previous one, and a failure on any rank
@@ -74,43 +74,34 @@ safetensors headers carry no ``{"format": "pt"}`` metadata and list tensors in i
 
 from __future__ import annotations
 
-import collections
-import copy
-import itertools
-import json
 import logging
-import math
-import os
 import shutil
-import struct
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
+from areal_lightning.capture.hf_weights import (
+    export_state_dict,
+    fsdp1_state,
+    gather_to_host,
+    is_sharded,
+    meta_twin,
+    split_for_dcp,
+)
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
-from areal_lightning.stage import BackgroundWorker
 from areal_lightning.errors import CheckpointWriteError
-from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE, _quiet_hf_progress, export_hf, finish_export, prepare_tmp
-
-__all__ = [
-    "SHARDED_METHODS",
-    "DEFAULT_SHARDED_METHOD",
-    "DistributedHFExporter",
-    "is_sharded",
-    "export_state_dict",
-    "fsdp1_root",
-    "fsdp1_state",
-    "gather_to_host",
-    "split_for_dcp",
-    "write_hf_dcp",
-    "HFFilePlan",
-    "validate_method",
-]
+from areal_lightning.stage import BackgroundWorker
+from areal_lightning.write.hf import (
+    DEFAULT_MAX_SHARD_SIZE,
+    HFFilePlan,
+    export_hf,
+    prepare_tmp,
+    write_hf_dcp,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +109,6 @@ SHARDED_METHODS = ("gather", "dcp")
 """How sharded weights become one HF folder (see the module docstring)."""
 
 DEFAULT_SHARDED_METHOD = "gather"
-
-# Dtypes DCP's safetensors consolidation handles (it sizes elements with torch.finfo).
-_CONSOLIDATABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 PublishHook = Callable[[Path, float | None], None]
 """Called on rank 0 once an export is published: ``(final_dir, blocked_s or None for sync)``."""
@@ -133,338 +121,11 @@ def validate_method(method: Any, field: str = "method") -> str:
     return method
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True when any parameter or buffer of ``model`` is a ``DTensor`` (FSDP2, tensor parallel)."""
-    return any(isinstance(t, DTensor) for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-# --------------------------------------------------------------------------------------
-# What to write
-
-
-def export_state_dict(model: torch.nn.Module, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``model.state_dict()`` (or ``state``, keyed like it) without tied aliases: exactly the
-    keys ``save_pretrained`` writes.
-
-    Aliases are found from the module tree (the same parameter object under several names,
-    e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``), not from tensor storage:
-    state-dict entries of sharded or gathered tensors no longer share storage. Which alias
-    is kept is decided by transformers' own ``remove_tied_weights_from_state_dict``, so the
-    export reloads (and re-ties) like a ``save_pretrained`` one.
-    """
-    state = model.state_dict() if state is None else state
-    groups: dict[int, list[str]] = collections.defaultdict(list)
-    named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
-    for name, tensor in named:
-        if name in state:
-            groups[id(tensor)].append(name)
-    aliased = [names for names in groups.values() if len(names) > 1]
-    if not aliased:
-        return state
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    proxies: dict[str, torch.Tensor] = {}
-    for names in aliased:
-        proxy = torch.zeros(1)  # one small tensor per group: the aliases share its storage
-        for name in names:
-            proxies[name] = proxy
-    kept = remove_tied_weights_from_state_dict(dict(proxies), model)
-    for name in set(proxies) - set(kept):
-        del state[name]
-    return state
-
-
-@torch.no_grad()
-def gather_to_host(state_dict: Mapping[str, torch.Tensor], dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """Streamed full gather: the full tensors on rank ``dst``'s host, ``None`` on the other ranks.
-
-    Collective (call it on every rank, on the training thread): each ``DTensor`` is
-    gathered with ``full_tensor()`` one at a time, so at most one full parameter exists on
-    a device at once; rank ``dst`` keeps a host copy, the others drop it. The returned
-    tensors never alias live weights (safe to write in the background while training runs).
-    """
-    out: dict[str, torch.Tensor] | None = {} if dist.get_rank() == dst else None
-    for name, tensor in state_dict.items():
-        if isinstance(tensor, DTensor):
-            full = tensor.full_tensor()
-            # A replicated DTensor's full tensor can be its local tensor itself.
-            aliased = full.untyped_storage().data_ptr() == tensor.to_local().untyped_storage().data_ptr()
-        else:
-            full, aliased = tensor, True
-        if out is not None:
-            out[name] = full.detach().to("cpu", copy=aliased)
-        del full
-    return out
-
-
-def fsdp1_root(module: Any) -> torch.nn.Module | None:
-    """``module`` if it is a torch FSDP1 ``FullyShardedDataParallel`` root (Lightning's
-    ``FSDPStrategy`` wraps the whole LightningModule in one), else ``None``."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return module if isinstance(module, FullyShardedDataParallel) else None
-
-
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-def _prefix_in(root: torch.nn.Module, model: torch.nn.Module) -> str:
-    """The state-dict prefix of ``model`` inside ``root`` (wrapper names removed), e.g. ``"model."``."""
-    for name, module in root.named_modules():
-        if module is model:
-            clean = ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-            return f"{clean}." if clean else ""
-    raise ValueError(f"{type(model).__name__} is not a submodule of the FSDP-wrapped {type(root).__name__}")
-
-
-@torch.no_grad()
-def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, Any] | None:
-    """The export weights of ``model`` (a submodule of the FSDP1 ``root``), keyed like
-    ``model.state_dict()``, without tied aliases. Collective: every rank must call it.
-
-    ``full=True``: torch's ``get_model_state_dict(full_state_dict=True)``: FSDP1 unshards one
-    wrapped unit at a time (the root's own parameters stay unsharded while its children are
-    visited); on GPUs (``cpu_offload=True``) each full tensor moves to rank 0's host memory
-    and the other ranks drop it. Returns the full tensors on rank 0 (never aliasing live
-    weights) and ``None`` elsewhere.
-    ``full=False``: this rank's ``ShardedTensor`` shards (FSDP1's sharded state dict), for
-    the ``"dcp"`` method."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    # cpu_offload (which makes FSDP1 keep the full tensors on rank 0 only) only for weights on
-    # an accelerator: FSDP1's offload of CPU parameters reads freed memory (a segfault seen
-    # with torch 2.13 on CPU/gloo), and on CPU the full tensors are host memory anyway.
-    compute = getattr(root, "compute_device", None)  # FSDP1's device (parameters may be offloaded to CPU)
-    on_device = compute.type != "cpu" if compute is not None else any(p.device.type != "cpu" for p in root.parameters())
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
-    state = get_model_state_dict(root, options=options)
-    if full and dist.get_rank() != 0:
-        return None
-    prefix = _prefix_in(root, model)
-    own = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
-    if full:
-        live = {t.untyped_storage().data_ptr() for t in itertools.chain(root.parameters(), root.buffers()) if t.numel()}
-        for key, value in own.items():
-            if isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().data_ptr() in live:
-                own[key] = value.clone()  # e.g. NO_SHARD on CPU: the full tensor is the live one
-    return export_state_dict(model, own)
-
-
-def meta_twin(model: Any) -> Any:
-    """A parameter-less twin of a ``PreTrainedModel`` (same class, config, generation config
-    and dtype; parameters on the ``meta`` device) for ``save_pretrained(state_dict=...)`` in a
-    background thread. FSDP1 (``use_orig_params=True``) swaps the live model's parameters
-    for plain tensors during forward and backward, so a background ``save_pretrained`` of
-    the live model would see no parameters (``model.dtype`` raises ``StopIteration``)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
-    with torch.device("meta"):
-        twin = type(model)(copy.deepcopy(model.config))
-    twin.to(dtype=dtype)
-    if getattr(model, "generation_config", None) is not None:
-        twin.generation_config = copy.deepcopy(model.generation_config)
-    # Instance state save_pretrained reads (weight-name conversions, quantizer, PEFT adapters).
-    for name in ("_weight_conversions", "hf_quantizer", "_hf_peft_config_loaded", "peft_config"):
-        if name in model.__dict__:
-            setattr(twin, name, model.__dict__[name])
-    return twin
-
-
-def _is_sharded_tensor(tensor: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(tensor, ShardedTensor)
-
-
-def split_for_dcp(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Split ``state_dict`` into the part DCP consolidation can write and the rest.
-
-    Returns ``(shards, extras)``: ``shards`` keeps floating-point tensors of dimension >= 1
-    as they are (sharded ``DTensor`` s stay sharded); ``extras`` holds the others (integer,
-    bool, 0-dim) as full local tensors. Collective if an extra is a ``DTensor``.
-    """
-    shards: dict[str, torch.Tensor] = {}
-    extras: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        if tensor.dtype in _CONSOLIDATABLE and len(tensor.shape) > 0:
-            shards[name] = tensor
-        elif _is_sharded_tensor(tensor):
-            raise CheckpointWriteError(f"DCP HF export: {name!r} is a sharded {tensor.dtype} tensor, which DCP "
-                                       "cannot consolidate; use sharded_method='gather'")
-        else:
-            extras[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return shards, extras
-
-
-# --------------------------------------------------------------------------------------
-# The DCP method
-
-
-def _read_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
-
-
-def _shard_file_name(index: int, total: int) -> str:
-    return f"model-{index:05d}-of-{total:05d}.safetensors"
-
-
-class HFFilePlan:
-    """Which file each tensor of a DCP export goes to: the split ``save_pretrained`` would
-    make of ``state_dict`` (same order, same ``max_shard_size``), with the entries DCP cannot
-    consolidate (not in ``shard_keys``) moved to one extra, last file. Computed identically
-    on every rank from shapes and dtypes only (no communication, no I/O)."""
-
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], shard_keys: set[str] | Mapping[str, Any],
-                 max_shard_size: int | str) -> None:
-        from huggingface_hub import split_torch_state_dict_into_shards
-
-        # Meta stand-ins of the full shapes: sized like save_pretrained sizes them, without
-        # touching (sharded) storage.
-        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state_dict.items()}
-        split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
-        self.total_size: int = int(split.metadata["total_size"])
-        self.dcp_index: dict[str, int] = {}
-        for names in split.filename_to_tensors.values():
-            names = [n for n in names if n in shard_keys]
-            if names:
-                index = len(set(self.dcp_index.values())) + 1
-                self.dcp_index.update(dict.fromkeys(names, index))
-        self.extra_keys: list[str] = [n for n in state_dict if n not in shard_keys]
-        self.dcp_files = len(set(self.dcp_index.values()))
-        self.files = self.dcp_files + (1 if self.extra_keys else 0)
-        self.sharded = self.files > 1
-
-    def name(self, index: int) -> str:
-        """Final name of file ``index`` (1-based)."""
-        return "model.safetensors" if not self.sharded else _shard_file_name(index, self.files)
-
-
-def _check_shard_coverage(sharded_dir: Path, expected: Mapping[str, torch.Tensor]) -> None:
-    """Every element of every tensor must have been written by some rank (catches ranks
-    whose files did not land in the same folder, i.e. no shared file system)."""
-    written: dict[str, int] = collections.Counter()
-    for path in sharded_dir.glob("*.safetensors"):
-        for name, info in _read_header(path).items():
-            if name != "__metadata__":
-                written[name] += math.prod(info["shape"])
-    missing = [name for name, t in expected.items() if written.get(name, 0) != math.prod(t.shape)]
-    if missing:
-        raise CheckpointWriteError(
-            f"DCP HF export to {sharded_dir.parent}: shards of {len(missing)} tensors (e.g. {missing[0]!r}) are "
-            "missing or duplicated; every rank must write to a file system that rank 0 can read (shared storage)"
-        )
-
-
-def _check_consolidated(folder: Path, plan: HFFilePlan, expected: Mapping[str, torch.Tensor]) -> None:
-    """The consolidated files hold exactly the planned tensors, with their full shapes and dtypes."""
-    from safetensors.torch import _getdtype  # type: ignore[attr-defined]
-
-    for index in range(1, plan.dcp_files + 1):
-        header = _read_header(folder / _shard_file_name(index, plan.dcp_files))
-        header.pop("__metadata__", None)
-        planned = sorted(name for name, i in plan.dcp_index.items() if i == index)
-        if sorted(header) != planned:
-            raise CheckpointWriteError(f"DCP HF export to {folder}: file {index} holds {sorted(header)}, "
-                                       f"expected {planned}")
-        for name, info in header.items():
-            want = expected[name]
-            if list(info["shape"]) != list(want.shape) or _getdtype(info["dtype"]) != want.dtype:
-                raise CheckpointWriteError(f"DCP HF export to {folder}: consolidated {name!r} has shape "
-                                           f"{info['shape']} {info['dtype']}, expected {list(want.shape)} {want.dtype}")
-
-
-def _save_hf_metadata(model: Any, folder: Path) -> None:
-    """config.json (+ generation_config.json, remote code) exactly as ``save_pretrained``
-    writes them: ``save_pretrained`` with an empty state dict writes no weight file. It runs
-    in a subfolder (it deletes ``model-*-of-*`` files it did not write) whose files are
-    then moved up."""
-    meta = folder / ".hf-metadata"
-    with _quiet_hf_progress():
-        model.save_pretrained(meta, state_dict={})
-    for item in meta.iterdir():
-        os.rename(item, folder / item.name)
-    meta.rmdir()
-
-
-def _finish_dcp_folder(tmp: Path, plan: HFFilePlan, extras: Mapping[str, torch.Tensor],
-                       expected: Mapping[str, torch.Tensor], total_parameters: int) -> None:
-    """Turn DCP's consolidated output into ``save_pretrained``'s layout (rank 0)."""
-    from safetensors.torch import save_file
-
-    sharded = tmp / "sharded"
-    if plan.dcp_files:
-        _check_shard_coverage(sharded, {k: v for k, v in expected.items() if k in plan.dcp_index})
-        _check_consolidated(tmp, plan, expected)
-    shutil.rmtree(sharded, ignore_errors=True)
-    (tmp / "model.safetensors.index.json").unlink(missing_ok=True)  # DCP's; rewritten below
-    weight_map: dict[str, str] = {}
-    for index in range(1, plan.dcp_files + 1):
-        name = plan.name(index)
-        os.rename(tmp / _shard_file_name(index, plan.dcp_files), tmp / name)
-    for key, index in plan.dcp_index.items():
-        weight_map[key] = plan.name(index)
-    if extras:
-        name = plan.name(plan.files)
-        save_file({k: v.detach().cpu().contiguous() for k, v in extras.items()}, str(tmp / name),
-                  metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(extras, name))
-    if plan.sharded:
-        index_doc = {"metadata": {"total_parameters": total_parameters, "total_size": plan.total_size},
-                     "weight_map": weight_map}
-        with open(tmp / "model.safetensors.index.json", "w", encoding="utf-8") as f:
-            f.write(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
-
-
-def write_hf_dcp(
-    model: Any,
-    final_dir: Path,
-    tokenizer: Any,
-    shards: Mapping[str, torch.Tensor],
-    extras: Mapping[str, torch.Tensor],
-    *,
-    plan: HFFilePlan,
-    tmp_dir: Path,
-    process_group: dist.ProcessGroup | None = None,
-    thread_count: int = 1,
-) -> Path | None:
-    """Write one HF export with DCP's ``HuggingFaceStorageWriter``; collective over ``process_group``.
-
-    Every rank passes its (possibly host-staged) ``shards``, the ``extras`` (see
-    :func:`split_for_dcp`), the same ``plan`` and the same ``tmp_dir`` (created by rank 0 on
-    storage every rank sees). ``dcp.save`` comes first (no rank can fail alone before it);
-    then rank 0 checks the consolidated files, writes the extras, config and tokenizer and
-    publishes ``final_dir``. Returns ``final_dir`` on rank 0, ``None`` elsewhere. On failure
-    rank 0 removes ``tmp_dir``; the error propagates (on every rank if DCP failed).
-    """
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
-    lead = dist.get_rank(process_group) == 0
-    try:
-        if plan.dcp_files:
-            writer = HuggingFaceStorageWriter(str(tmp_dir), fqn_to_index_mapping=plan.dcp_index, save_distributed=True,
-                                              enable_consolidation=True, thread_count_consolidation=thread_count)
-            writer.sync_files = False  # the shard files are deleted; the final files are fsynced at publish
-            dcp_save(dict(shards), storage_writer=writer, process_group=process_group)
-        if not lead:
-            return None
-        _finish_dcp_folder(tmp_dir, plan, extras, {**shards, **extras}, int(model.num_parameters()))
-        _save_hf_metadata(model, tmp_dir)
-        finish_export(tmp_dir, final_dir, tokenizer)
-    except BaseException:
-        if lead:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    log.debug("exported HF checkpoint (DCP, %d files) to %s", plan.files, final_dir)
-    return final_dir
-
-
 # --------------------------------------------------------------------------------------
 # Orchestration: sync / async, agreement
 
 
-class DistributedHFExporter:
+class HFExporter:
     """HF exports under ``torch.distributed`` with more than one rank (see the module doc).
 
     Args:
@@ -563,7 +224,7 @@ class DistributedHFExporter:
         ``on_published(final_dir, blocked_s)`` runs on rank 0 after the folder is published
         (in the background thread for async; ``blocked_s`` is ``None`` for sync)."""
         if self._closed:
-            raise RuntimeError("DistributedHFExporter is closed")
+            raise RuntimeError("HFExporter is closed")
         start = time.perf_counter()
         if self._worker is not None:
             self.settle()  # (a sync export already agreed when it finished)

@@ -9,7 +9,7 @@ Spawns ``--world-size`` CPU processes (gloo), builds a randomly initialised Llam
 768, vocab 32000, ``--layers`` decoder layers; about 77M parameters, 310 MB in fp32, at 4
 layers) from a config on every rank and applies ``fully_shard`` to each decoder layer and to
 the root, as a Lightning ``ModelParallelStrategy`` run would in ``configure_model``. Then it
-exports it with :class:`areal_lightning.hf_export.DistributedHFExporter`, both methods
+exports it with :class:`areal_lightning.hf_export.HFExporter`, both methods
 in the same run, interleaved, sync and async (config + tokenizer + weights, fsynced and
 renamed into place, exactly what ``HFSaverCallback`` does):
 
@@ -68,8 +68,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch: 
     from torch.distributed.fsdp import fully_shard
     from transformers.utils import logging as hf_logging
 
+    from areal_lightning.capture.hf_weights import export_state_dict
+    from areal_lightning.hf_export import HFExporter
     from areal_lightning.tools.demo import build_tokenizer
-    from areal_lightning.hf_export import DistributedHFExporter, export_state_dict
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -87,7 +88,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch: 
     local_bytes = sum(t.to_local().numel() * t.element_size() for t in state.values())
     n_params = sum(t.numel() for t in state.values())
 
-    exporters = {(m, a): DistributedHFExporter(method=m, asynchronous=a, max_shard_size=args.max_shard_size,
+    exporters = {(m, a): HFExporter(method=m, asynchronous=a, max_shard_size=args.max_shard_size,
                                                name=f"bench-{m}-{a}") for m, a in ROWS}
     times: dict[str, list[tuple[float, float]]] = {f"{m}_{'async' if a else 'sync'}": [] for m, a in ROWS}
     root = Path(scratch)

@@ -11,9 +11,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
-from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
 
 STEPS_PER_EPOCH = 3
 

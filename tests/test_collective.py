@@ -14,8 +14,8 @@ import pytest
 
 from areal_lightning import HFSaverCallback, RecoverCallback
 from areal_lightning.collective import CheckpointGroup, check_shared_storage
-from areal_lightning.config import ConfigError
 from areal_lightning.commit.recover_store import TrialLock
+from areal_lightning.config import ConfigError
 
 
 @pytest.mark.parametrize("bad", [0, -1, "60", True, None])

@@ -6,7 +6,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_lightning import ConfigError, ExperimentConfig, HFSaverCallback, RecoverCallback, load_config
+from areal_lightning import (
+    ConfigError,
+    ExperimentConfig,
+    HFSaverCallback,
+    RecoverCallback,
+    load_config,
+)
 
 FIELDS = {"fileroot", "experiment_name", "trial_name", "user", "saver", "recover",
           "saver.mode", "saver.freq_epochs", "saver.freq_steps", "saver.freq_secs", "saver.max_keep",

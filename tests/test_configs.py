@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from areal_lightning import HFSaverCallback, RecoverCallback, callbacks_from_config, load_config
+from areal_lightning import (
+    HFSaverCallback,
+    RecoverCallback,
+    callbacks_from_config,
+    load_config,
+)
 from areal_lightning.config import ExperimentConfig
 from areal_lightning.tools.demo import DemoConfig
 from areal_lightning.tools.inspect import inspect_trial

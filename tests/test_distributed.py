@@ -16,9 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_recover_e2e import (
+    REPO,
+    SCRIPT,
+    assert_exact,
+    losses_by_step,
+    train,
+)
 from torch.distributed.checkpoint import FileSystemReader
-
-from test_recover_e2e import REPO, SCRIPT, assert_exact, losses_by_step, reference, train
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_lightning.write import dcp as engine_mod
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage import BackgroundWorker
-from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.write import dcp as engine_mod
 from areal_lightning.write.dcp import DCPEngine
 
 Point = collections.namedtuple("Point", "x y")

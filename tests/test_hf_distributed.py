@@ -218,7 +218,7 @@ def test_sharded_method_is_validated_naming_the_field(tmp_path: Path) -> None:
 
 
 def test_export_state_dict_drops_tied_aliases_like_save_pretrained() -> None:
-    from areal_lightning.hf_export import export_state_dict
+    from areal_lightning.capture.hf_weights import export_state_dict
     from tests.conftest import tiny_gpt2, tiny_llama
 
     gpt2 = tiny_gpt2()
@@ -228,7 +228,8 @@ def test_export_state_dict_drops_tied_aliases_like_save_pretrained() -> None:
 
 
 def test_file_plan_puts_tensors_dcp_cannot_consolidate_in_one_extra_last_file() -> None:
-    from areal_lightning.hf_export import HFFilePlan, split_for_dcp
+    from areal_lightning.capture.hf_weights import split_for_dcp
+    from areal_lightning.write.hf import HFFilePlan
 
     state = {"a": torch.zeros(10, 10), "ids": torch.arange(3), "b": torch.zeros(10, 10), "scale": torch.tensor(1.0)}
     shards, extras = split_for_dcp(state)

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from areal_lightning import HFSaverCallback, RecoverCallback
+from areal_lightning.layout import TrialLayout
 from areal_lightning.tools.cli import main
 from areal_lightning.tools.inspect import inspect_path, inspect_trial
-from areal_lightning.layout import TrialLayout
 from tests.conftest import LMModule, make_trainer, tiny_llama, token_loader
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,8 +7,19 @@ from pathlib import Path
 import pytest
 
 from areal_lightning._fault import ENV_VAR, InjectedFault
-from areal_lightning.commit.atomic import atomic_write_json, clean_stale_tmp, publish_dir, remove_dir
-from areal_lightning.layout import ExportName, TrialLayout, export_name, parse_export_name, tmp_sibling
+from areal_lightning.commit.atomic import (
+    atomic_write_json,
+    clean_stale_tmp,
+    publish_dir,
+    remove_dir,
+)
+from areal_lightning.layout import (
+    ExportName,
+    TrialLayout,
+    export_name,
+    parse_export_name,
+    tmp_sibling,
+)
 
 
 def test_export_names_round_trip_and_reject_others() -> None:

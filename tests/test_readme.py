@@ -35,12 +35,12 @@ def test_docstring_examples_run() -> None:
     """The examples in the public docstrings are doctests."""
     import doctest
 
+    import areal_lightning.config as config
+    import areal_lightning.layout as layout
     import areal_lightning.lightning as callbacks
     import areal_lightning.lightning.hf_saver as hf_saver
     import areal_lightning.lightning.recover as recover
-    import areal_lightning.config as config
     import areal_lightning.trigger.freq as freq
-    import areal_lightning.layout as layout
 
     for module in (config, freq, layout, callbacks, hf_saver, recover):
         failed, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -377,7 +377,9 @@ def test_lightning_internals_auto_resume_relies_on(tmp_path) -> None:
     (Lightning issue #19827: ckpt_path=None becomes "last") is not used."""
     import inspect
 
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import (
+        _CheckpointConnector,
+    )
 
     assert list(inspect.signature(_CheckpointConnector.resume_start).parameters)[:3] == [
         "self", "checkpoint_path", "weights_only"]

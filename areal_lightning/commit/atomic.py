@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from areal_lightning._fault import fault_point
-from areal_lightning.layout import TMP_PREFIX, TRASH_PREFIX, is_export_tmp_name, tmp_sibling
+from areal_lightning.layout import (
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    is_export_tmp_name,
+    tmp_sibling,
+)
 
 __all__ = ["fsync_dir", "fsync_tree", "publish_dir", "remove_dir", "atomic_write_json", "clean_stale_tmp"]
 

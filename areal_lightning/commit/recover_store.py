@@ -30,9 +30,8 @@ from typing import Any
 
 from areal_lightning._fault import fault_point
 from areal_lightning.commit.atomic import atomic_write_json, fsync_dir
-from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.errors import CheckpointCorruptError
-from areal_lightning.layout import TrialLayout
+from areal_lightning.layout import COMMIT_MARKER, TrialLayout
 
 __all__ = ["TrialLock", "RecoverStore", "RecoverMismatchError", "INFO_FILES", "FORMAT_VERSION", "file_checksums", "file_checksums_of"]
 

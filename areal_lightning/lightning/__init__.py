@@ -6,9 +6,9 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from areal_lightning.config import as_experiment
 from areal_lightning.lightning.hf_saver import HFSaverCallback
 from areal_lightning.lightning.recover import RecoverCallback
-from areal_lightning.config import as_experiment
 
 __all__ = ["HFSaverCallback", "RecoverCallback", "callbacks_from_config"]
 

@@ -57,7 +57,10 @@ def is_bridged(strategy: Strategy) -> bool:
 
 def _sharded_template(strategy: Strategy) -> dict[str, Any]:
     """The live sharded model and optimizer states, keyed as Lightning's checkpoint is."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     model = strategy.model
     return {

@@ -13,15 +13,30 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
-from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup, validate_timeout
+from areal_lightning.capture.hf_weights import fsdp1_root
+from areal_lightning.collective import (
+    DEFAULT_TIMEOUT_S,
+    CheckpointGroup,
+    validate_timeout,
+)
 from areal_lightning.commit.atomic import clean_stale_tmp, remove_dir
-from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, as_experiment, validate_model_name
+from areal_lightning.config import (
+    ConfigError,
+    ExperimentConfig,
+    SaverConfig,
+    as_experiment,
+    validate_model_name,
+)
+from areal_lightning.hf_export import (
+    DEFAULT_SHARDED_METHOD,
+    SHARDED_METHODS,
+    HFExporter,
+)
+from areal_lightning.layout import TrialLayout
 from areal_lightning.stage import BackgroundWorker
+from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 from areal_lightning.trigger.freq import EpochPosition, FreqController
 from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
-from areal_lightning.hf_export import DEFAULT_SHARDED_METHOD, SHARDED_METHODS, DistributedHFExporter, fsdp1_root
-from areal_lightning.layout import TrialLayout
-from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 
 __all__ = ["HFSaverCallback"]
 
@@ -126,7 +141,7 @@ class HFSaverCallback(Callback):
         self.last_export: Path | None = None
         self.resolved_mode: str | None = None
         self._worker: BackgroundWorker | None = None
-        self._dist: DistributedHFExporter | None = None  # multi-process runs
+        self._dist: HFExporter | None = None  # multi-process runs
         self._last_seen_step = -1
         self.telemetry = Telemetry()
 
@@ -318,7 +333,7 @@ class HFSaverCallback(Callback):
         if self._dist is None:
             if self.resolved_mode is None:
                 self.resolved_mode = self._resolve_mode(trainer)
-            self._dist = DistributedHFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
+            self._dist = HFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
                                                max_shard_size=self.max_shard_size, name=self.name,
                                                ranks=self.ranks)
         model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)

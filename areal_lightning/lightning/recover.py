@@ -19,17 +19,41 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from areal_lightning.lightning.bridge import SHARDED_STRATEGY_NAMES, install_bridge, is_sharded, warn_if_single_fsdp_unit
-from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, _find_io
-from areal_lightning.collective import DEFAULT_TIMEOUT_S, check_shared_storage, validate_timeout
-from areal_lightning.config import ConfigError, ExperimentConfig, RecoverConfig, as_experiment, validate_model_name
-from areal_lightning.errors import CheckpointCorruptError
-from areal_lightning.trigger.freq import EpochPosition, FreqController
-from areal_lightning.layout import TrialLayout
-from areal_lightning.commit.recover_store import FORMAT_VERSION, RecoverMismatchError, RecoverStore, TrialLock
-from areal_lightning.capture.loader import LoaderTracker, is_stateful_loader, remap_position
+from areal_lightning.capture.loader import (
+    LoaderTracker,
+    is_stateful_loader,
+    remap_position,
+)
 from areal_lightning.capture.rng import capture_rng, restore_rng
+from areal_lightning.collective import (
+    DEFAULT_TIMEOUT_S,
+    check_shared_storage,
+    validate_timeout,
+)
+from areal_lightning.commit.recover_store import (
+    FORMAT_VERSION,
+    RecoverMismatchError,
+    RecoverStore,
+    TrialLock,
+)
+from areal_lightning.config import (
+    ConfigError,
+    ExperimentConfig,
+    RecoverConfig,
+    as_experiment,
+    validate_model_name,
+)
+from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.layout import TrialLayout
+from areal_lightning.lightning.bridge import (
+    SHARDED_STRATEGY_NAMES,
+    install_bridge,
+    is_sharded,
+    warn_if_single_fsdp_unit,
+)
+from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, _find_io
 from areal_lightning.telemetry import SaveReport, Telemetry
+from areal_lightning.trigger.freq import EpochPosition, FreqController
 
 __all__ = ["RecoverCallback", "StepInfo"]
 

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-
 __all__ = ["HostStager", "staging_options", "bind_thread_to", "cuda_device"]
 
 

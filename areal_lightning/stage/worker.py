@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from areal_lightning.errors import CheckpointWriteError
-
 from areal_lightning.stage.host import HostStager, bind_thread_to, cuda_device
 
 __all__ = ["BackgroundWorker"]

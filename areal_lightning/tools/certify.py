@@ -90,7 +90,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from areal_lightning._fault import ENV_VAR as FAULT_ENV, POINTS, TRACE_ENV_VAR
+from areal_lightning._fault import ENV_VAR as FAULT_ENV
+from areal_lightning._fault import POINTS, TRACE_ENV_VAR
 from areal_lightning.layout import TMP_PREFIX, TRASH_PREFIX, parse_export_name
 
 __all__ = [

@@ -17,8 +17,13 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from areal_lightning.config import (
+    ConfigError,
+    ExperimentConfig,
+    SaverConfig,
+    load_config,
+)
 from areal_lightning.lightning import callbacks_from_config
-from areal_lightning.config import ConfigError, ExperimentConfig, SaverConfig, load_config
 
 __all__ = ["DemoConfig", "DemoTrainConfig", "build_tokenizer", "AdditionDataset", "TinyCausalLM", "run_demo"]
 
@@ -81,7 +86,14 @@ class DemoConfig(ExperimentConfig):
 
 def build_tokenizer() -> Any:
     """A character-level ``PreTrainedTokenizerFast`` for digits, ``+`` and ``=`` (adds ``<bos>``)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}

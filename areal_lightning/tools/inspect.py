@@ -34,7 +34,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from areal_lightning.layout import TMP_PREFIX, TRASH_PREFIX, TrialLayout, parse_export_name
+from areal_lightning.layout import (
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    TrialLayout,
+    parse_export_name,
+)
 
 __all__ = ["InspectUsageError", "inspect_trial", "inspect_path", "render_reports", "run_inspect"]
 
@@ -221,8 +226,8 @@ def _pending_swap(layout: TrialLayout, name: str) -> tuple[str, Path, Path] | No
 
 def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, now: float,
                      errors: list[str], warnings: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from areal_lightning.errors import CheckpointCorruptError
     from areal_lightning.commit.recover_store import INFO_FILES, RecoverStore
+    from areal_lightning.errors import CheckpointCorruptError
 
     ckpt_names = [n for n in model_names if layout.recover_checkpoint_dir(n).is_dir()]
     stores = {n: RecoverStore(layout, n) for n in ckpt_names}

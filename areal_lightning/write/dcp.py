@@ -94,20 +94,41 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
 from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_point
-from areal_lightning.stage.host import bind_thread_to, cuda_device
-from areal_lightning.stage.worker import BackgroundWorker
-from areal_lightning.write.dcp_format import SKELETON_KEY, TensorSlot, fill, flat_tensors, split
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.commit.atomic import fsync_dir
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.stage.host import bind_thread_to, cuda_device
+from areal_lightning.stage.worker import BackgroundWorker
+from areal_lightning.write.dcp_format import (
+    SKELETON_KEY,
+    TensorSlot,
+    fill,
+    flat_tensors,
+    split,
+)
 
 log = logging.getLogger(__name__)
 

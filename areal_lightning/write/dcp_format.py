@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-
 __all__ = ["SKELETON_KEY", "TensorSlot", "split", "fill", "flat_tensors"]
 
 SKELETON_KEY = "__areal_lightning_skeleton__"

@@ -14,8 +14,20 @@ from pathlib import Path
 import pytest
 
 from areal_lightning import _fault
-from areal_lightning._fault import POINTS, InjectedFault, fault_point, reset_fault_counts
-from areal_lightning.tools.certify import CertifyUsageError, certify, expected_resume, leftovers, read_losses, run_group
+from areal_lightning._fault import (
+    POINTS,
+    InjectedFault,
+    fault_point,
+    reset_fault_counts,
+)
+from areal_lightning.tools.certify import (
+    CertifyUsageError,
+    certify,
+    expected_resume,
+    leftovers,
+    read_losses,
+    run_group,
+)
 
 PACKAGE = Path(_fault.__file__).resolve().parent
 

@@ -48,8 +48,8 @@ def _slow_then_add(x: torch.Tensor) -> None:
 
 
 def test_async_staging_waits_for_the_compute_stream(tmp_path) -> None:
-    from areal_lightning.write.dcp import DCPEngine
     from areal_lightning.stage import HostStager
+    from areal_lightning.write.dcp import DCPEngine
 
     x = torch.zeros(1 << 22, device="cuda")
     torch.cuda.synchronize()

@@ -113,12 +113,14 @@ class Reference(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: LM, outputs: Any, batch: Any, batch_idx: int) -> None:
         from safetensors.torch import save_file
+        from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.tensor import DTensor
 
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         if isinstance(trainer.strategy.model, FullyShardedDataParallel):  # FSDP1: all ranks take part
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
             state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}

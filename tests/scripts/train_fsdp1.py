@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cp
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from fsdp1_cpu import CPUFSDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from areal_lightning import HFSaverCallback, RecoverCallback  # noqa: E402
-from fsdp1_cpu import CPUFSDPStrategy  # noqa: E402
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -107,7 +107,10 @@ class DumpState(pl.Callback):
         self.prefix, self.every = prefix, every
 
     def _dump(self, trainer, tag: str) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         model, optim = get_state_dict(trainer.strategy.model, trainer.optimizers,
                                       options=StateDictOptions(full_state_dict=True))

@@ -99,7 +99,10 @@ class DumpState(pl.Callback):
         self.prefix, self.every = prefix, every
 
     def _dump(self, trainer, pl_module, tag: str) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model, optim = get_state_dict(pl_module, trainer.optimizers, options=options)
