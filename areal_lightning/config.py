@@ -24,6 +24,8 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from areal_lightning.errors import ConfigError
+
 __all__ = [
     "ConfigError",
     "SaverConfig",
@@ -37,14 +39,6 @@ SAVER_MODES = ("auto", "sync", "async")
 RECOVER_MODES = ("on", "auto", "off", "disabled")
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and what is allowed."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 def validate_model_name(value: Any, field_name: str = "name") -> str:

@@ -1,18 +1,55 @@
-"""Errors of the checkpoint path that more than one stage raises."""
+"""Every error areal-lightning raises on purpose, under one base class.
+
+::
+
+    AreaLightningError
+    ├── ConfigError            (also a ValueError)   a setting is invalid; names the field and the allowed values
+    ├── CheckpointCorruptError (also a RuntimeError) a checkpoint on disk is incomplete, altered or foreign
+    ├── CheckpointWriteError   (also a RuntimeError) a save (or its background job) failed; names the path
+    │   └── RankFailure                              another rank failed or did not arrive in time
+    └── RecoverMismatchError   (also a RuntimeError) the recover checkpoint belongs to a different run
+
+``except AreaLightningError`` catches all of them; the second base keeps the built-in type
+each one had before (``pytest.raises(ValueError)`` still matches a ``ConfigError``).
+"""
 
 from __future__ import annotations
 
-__all__ = ["CheckpointCorruptError", "CheckpointWriteError", "RankFailure"]
+__all__ = [
+    "AreaLightningError",
+    "ConfigError",
+    "CheckpointCorruptError",
+    "CheckpointWriteError",
+    "RankFailure",
+    "RecoverMismatchError",
+]
 
 
-class CheckpointCorruptError(RuntimeError):
+class AreaLightningError(Exception):
+    """Base class of every error areal-lightning raises on purpose."""
+
+
+class ConfigError(AreaLightningError, ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+class CheckpointCorruptError(AreaLightningError, RuntimeError):
     """A checkpoint directory is incomplete, unreadable or not in this engine's format."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(AreaLightningError, RuntimeError):
     """A checkpoint save (or background job) failed; the message names its path."""
 
 
 class RankFailure(CheckpointWriteError):
     """Another rank failed, or did not arrive within ``collective_timeout``, at a checkpoint
     agreement; the message names the rank and its error, or the timeout."""
+
+
+class RecoverMismatchError(AreaLightningError, RuntimeError):
+    """The recover checkpoint was written by a run that differs from this one (world size,
+    strategy, experiment, trial); the message explains what differs and what to do."""

@@ -7,8 +7,9 @@
     ├── {name}/recover_checkpoint/                  # DCP recover checkpoint
     └── recover_info/                               # JSON metadata
 
-Temporary folders are hidden siblings named ``.tmp-{final}-{token}``; folders being
-deleted are first renamed to ``.trash-{final}-{token}``. Neither ever matches an export name.
+Temporary folders are hidden siblings named ``.tmp-{final}-{token}``; a folder being
+replaced is first renamed to ``.old-{final}-{token}``, one being deleted to
+``.trash-{final}-{token}``. Neither ever matches an export name.
 Model names are single folder names; ``recover_info`` and names starting with ``.`` are
 reserved (:data:`RESERVED_NAMES`).
 """
@@ -23,14 +24,44 @@ from pathlib import Path
 __all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name"]
 
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+
+# -- names of the trial folder -----------------------------------------------------------
+RECOVER_CHECKPOINT = "recover_checkpoint"
+"""``{name}/recover_checkpoint/``: the DCP directory of the last committed recover checkpoint."""
+RECOVER_INFO = "recover_info"
+"""``recover_info/``: the JSON metadata describing exactly that checkpoint."""
+STEP_INFO = "step_info.json"
+SAVER_INFO = "saver_info.json"
+EVALUATOR_INFO = "evaluator_info.json"
+STATS_LOGGER_INFO = "stats_logger_info.json"
+DATALOADER_INFO = "dataloader_info.json"
+CHECKPOINT_INFO = "checkpoint_info.json"
+"""Written last into a new ``recover_info``: its presence marks that folder complete."""
+INFO_FILES = (STEP_INFO, SAVER_INFO, EVALUATOR_INFO, STATS_LOGGER_INFO, DATALOADER_INFO, CHECKPOINT_INFO)
+"""The files of ``recover_info/``, in the order they are written."""
+LOCK_FILE = ".lock"
+"""``{trial}/.lock``: the ``flock`` of the run writing the trial (holds its pid)."""
+RESERVED_NAMES = (RECOVER_INFO,)
+
+# -- names of the atomic-directory protocol (commit/atomic.py) ---------------------------
 TMP_PREFIX = ".tmp-"
+"""``.tmp-{final}-{token}``: a folder (or file) being written, renamed to ``{final}`` once complete."""
+OLD_PREFIX = ".old-"
+"""``.old-{final}-{token}``: the folder ``{final}`` held before the commit of ``token`` replaced it."""
 TRASH_PREFIX = ".trash-"
+"""``.trash-{final}-{token}``: a folder being deleted (renamed away first)."""
+LEFTOVER_PREFIXES = (TMP_PREFIX, OLD_PREFIX, TRASH_PREFIX)
 SHARED_CHECK_PREFIX = ".shared-check-"
 """A file rank 0 writes into the trial folder at setup (and removes) so that every rank
 can prove it sees the same storage (:func:`areal_lightning.collective.check_shared_storage`)."""
-RESERVED_NAMES = ("recover_info",)
+
+# -- names inside checkpoint folders -----------------------------------------------------
 COMMIT_MARKER = ".metadata"
 """The file whose presence marks a DCP directory as complete (DCP writes it last, atomically)."""
+HF_METADATA_TMP = ".hf-metadata"
+"""Inside an export's temporary folder: where ``save_pretrained`` writes config files first."""
+HF_DCP_SHARDS = "sharded"
+"""Inside an export's temporary folder: the per-rank shards of a ``sharded_method="dcp"`` export."""
 
 
 @dataclass(frozen=True, order=True)
@@ -62,9 +93,29 @@ def parse_export_name(name: str) -> ExportName | None:
     return ExportName(global_step=g, epoch=e, epoch_step=s)
 
 
+def new_token() -> str:
+    """A fresh token naming one commit's temporary folders."""
+    return uuid.uuid4().hex[:12]
+
+
+def sibling(final: Path, prefix: str, token: str) -> Path:
+    """The hidden sibling ``{prefix}{final.name}-{token}`` of ``final``."""
+    return final.parent / f"{prefix}{final.name}-{token}"
+
+
 def tmp_sibling(final: Path, prefix: str = TMP_PREFIX) -> Path:
     """A unique hidden sibling of ``final`` for writing before the atomic rename."""
-    return final.parent / f"{prefix}{final.name}-{uuid.uuid4().hex[:12]}"
+    return sibling(final, prefix, new_token())
+
+
+def leftover_of(name: str) -> tuple[str, str, str] | None:
+    """``(prefix, final name, token)`` of a temporary / old / trash sibling's name, else ``None``."""
+    for prefix in LEFTOVER_PREFIXES:
+        if name.startswith(prefix):
+            final, sep, token = name[len(prefix):].rpartition("-")
+            if sep and final and token:
+                return prefix, final, token
+    return None
 
 
 def is_export_tmp_name(name: str) -> bool:
@@ -73,11 +124,8 @@ def is_export_tmp_name(name: str) -> bool:
     Only these are cleaned by the exporter: the recover checkpoint's own temporary folders
     (``.tmp-recover_checkpoint-…``) live in the same model folder and must not be touched.
     """
-    for prefix in (TMP_PREFIX, TRASH_PREFIX):
-        if name.startswith(prefix):
-            final, sep, token = name[len(prefix):].rpartition("-")
-            return bool(sep) and len(token) == 12 and parse_export_name(final) is not None
-    return False
+    parts = leftover_of(name)
+    return parts is not None and len(parts[2]) == 12 and parse_export_name(parts[1]) is not None
 
 
 @dataclass(frozen=True)
@@ -109,12 +157,12 @@ class TrialLayout:
 
     def recover_checkpoint_dir(self, name: str = "default") -> Path:
         """The DCP recover checkpoint of one model."""
-        return self.model_dir(name) / "recover_checkpoint"
+        return self.model_dir(name) / RECOVER_CHECKPOINT
 
     @property
     def recover_info_dir(self) -> Path:
         """The ``recover_info/`` metadata folder."""
-        return self.trial_dir / "recover_info"
+        return self.trial_dir / RECOVER_INFO
 
     def list_exports(self, name: str = "default") -> list[tuple[ExportName, Path]]:
         """Completed exports of model ``name``, oldest first (by global step)."""

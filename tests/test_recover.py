@@ -26,7 +26,8 @@ from areal_lightning import (
     StepInfo,
     callbacks_from_config,
 )
-from areal_lightning.commit.recover_store import INFO_FILES, RecoverMismatchError
+from areal_lightning.commit.recover_store import INFO_FILES
+from areal_lightning.errors import RecoverMismatchError
 from tests.conftest import LMModule, tiny_llama, token_loader
 
 

@@ -1,8 +1,21 @@
-"""Atomic publication of folders and files: write aside, fsync, rename into place.
+"""Commit: the one atomic-directory protocol, used by every checkpoint this package writes.
 
-A folder with its final name is always complete: it appears only through ``os.rename`` of a
-fully written and fsynced temporary sibling. Deletion first renames the folder to a trash
-name, so a crash mid-delete never leaves a half-deleted folder under a final name.
+A folder with its final name is always complete. :class:`AtomicDir` (after Orbax's
+``TemporaryPath``) writes aside and makes the folder visible in one rename:
+
+1. ``create()`` makes the hidden sibling ``.tmp-{final}-{token}``; the write stage fills it.
+2. ``finalize()``, run after the write has returned (never inside it): fsync the folder
+   (unless the writer already made it durable), move an existing ``final`` aside to
+   ``.old-{final}-{token}``, rename the temporary folder to ``final``, fsync the parent,
+   then delete the old folder. It is idempotent: run again after a crash (a roll-forward),
+   it finishes what is left.
+
+HF exports commit one ``AtomicDir``; ``DCPCheckpointIO`` saves one per checkpoint path; the
+recover checkpoint commits two with the same token (``recover_checkpoint/`` then
+``recover_info/``, see :mod:`areal_lightning.commit.recover_store`). Deleting a folder
+(:func:`remove_dir`) renames it to ``.trash-{final}-{token}`` first, so a crash mid-delete
+never leaves a half-deleted folder under a final name. Every name is in
+:mod:`areal_lightning.layout`.
 """
 
 from __future__ import annotations
@@ -10,18 +23,35 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from areal_lightning._fault import fault_point
 from areal_lightning.layout import (
+    OLD_PREFIX,
     TMP_PREFIX,
     TRASH_PREFIX,
     is_export_tmp_name,
+    leftover_of,
+    new_token,
+    sibling,
     tmp_sibling,
 )
 
-__all__ = ["fsync_dir", "fsync_tree", "publish_dir", "remove_dir", "atomic_write_json", "clean_stale_tmp"]
+__all__ = [
+    "AtomicDir",
+    "CommitTarget",
+    "CommitPoints",
+    "fsync_dir",
+    "fsync_tree",
+    "publish_dir",
+    "remove_dir",
+    "atomic_write_json",
+    "clean_leftovers",
+    "clean_stale_tmp",
+]
 
 
 def fsync_dir(path: Path) -> None:
@@ -45,21 +75,114 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Make the complete folder ``tmp`` visible as ``final``, atomically and durably.
+@dataclass(frozen=True)
+class CommitPoints:
+    """The fault points (:mod:`areal_lightning._fault`) one kind of commit reports."""
 
-    ``tmp`` must be a sibling of ``final``. If ``final`` already exists (the same step
-    exported again after a resume), it is replaced; a crash in between leaves the old
-    folder under a trash name or the new one under the final name, never a mix.
+    before: str | None = "commit.before_rename"
+    old_moved: str = "commit.publish.old_removed"
+    in_place: str = "commit.after_rename"
+
+
+class CommitTarget(Protocol):
+    """What a writer fills and how it is committed (``DCPCheckpointIO``'s ``storage_options``):
+    :class:`AtomicDir`, or the recover checkpoint's pair commit."""
+
+    final: Path
+    tmp: Path
+
+    def create(self) -> Path:
+        """Make (or reuse) the temporary folder; return it."""
+        ...
+
+    def finalize(self) -> None:
+        """Make the written folder visible under its final name (idempotent)."""
+        ...
+
+    def discard(self) -> None:
+        """Remove the temporary folder of a failed write."""
+        ...
+
+
+class AtomicDir:
+    """A folder written at ``tmp`` and made visible as ``final`` in one rename (module doc).
+
+    Args:
+        final: the folder's final path.
+        token: names this commit's ``.tmp-`` / ``.old-`` siblings (a fresh one by default;
+            every rank of a collective save must use the same).
+        fsync: fsync every file and folder below ``tmp`` at ``finalize`` (``False`` when
+            the writer made its files durable itself, as DCP does).
+        points: the fault points this commit reports.
+
+    Example:
+        >>> import tempfile
+        >>> d = AtomicDir(Path(tempfile.mkdtemp()) / "export")
+        >>> _ = (d.create() / "weights.bin").write_bytes(b"x")
+        >>> d.finalize(); sorted(p.name for p in d.final.iterdir())
+        ['weights.bin']
     """
-    fsync_tree(tmp)
-    fault_point("commit.before_rename")
-    if final.exists():
-        remove_dir(final)
-        fault_point("commit.publish.old_removed")
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    fault_point("commit.after_rename")
+
+    def __init__(self, final: Path, token: str | None = None, *, fsync: bool = True,
+                 points: CommitPoints = CommitPoints()) -> None:
+        self.final = Path(final)
+        self.token = token if token is not None else new_token()
+        self.tmp = sibling(self.final, TMP_PREFIX, self.token)
+        self.old = sibling(self.final, OLD_PREFIX, self.token)
+        self.fsync = fsync
+        self.points = points
+
+    @classmethod
+    def of_tmp(cls, tmp: Path, **kwargs: Any) -> "AtomicDir":
+        """The commit whose temporary folder is ``tmp`` (a ``.tmp-{final}-{token}`` path)."""
+        parts = leftover_of(Path(tmp).name)
+        if parts is None or parts[0] != TMP_PREFIX:
+            raise ValueError(f"{tmp} is not a temporary folder name ({TMP_PREFIX}{{final}}-{{token}})")
+        return cls(Path(tmp).parent / parts[1], parts[2], **kwargs)
+
+    def create(self) -> Path:
+        """Create the parent and the temporary folder (reused if it exists); return it."""
+        if self.final.exists() and not self.final.is_dir():
+            raise FileExistsError(f"cannot write a checkpoint folder to {self.final}: a file exists there; "
+                                  "remove it or choose another path")
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return self.tmp
+
+    def finalize(self, *, remove_old: bool = True) -> None:
+        """Move the written folder into place (see the module doc); idempotent. With
+        ``remove_old=False`` the replaced folder stays at :attr:`old` for the caller."""
+        if self.tmp.exists():
+            if self.fsync:
+                fsync_tree(self.tmp)
+            if self.points.before is not None:
+                fault_point(self.points.before)
+            if self.final.exists():
+                os.rename(self.final, self.old)
+                fault_point(self.points.old_moved)
+            os.rename(self.tmp, self.final)
+            fsync_dir(self.final.parent)
+            fault_point(self.points.in_place)
+        if remove_old:
+            self.remove_old()
+
+    def remove_old(self) -> None:
+        """Delete the folder this commit replaced, if any."""
+        shutil.rmtree(self.old, ignore_errors=True)
+
+    def discard(self) -> None:
+        """Remove the temporary folder (a failed or abandoned write)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Make the complete folder ``tmp`` (from :func:`~areal_lightning.layout.tmp_sibling`)
+    visible as ``final``: :meth:`AtomicDir.finalize` of that commit. An existing ``final``
+    (the same step exported again after a resume) is replaced; a crash in between leaves
+    the old folder under an ``.old-`` name or the new one under the final name, never a mix."""
+    commit = AtomicDir.of_tmp(tmp)
+    if commit.final != Path(final):
+        raise ValueError(f"{tmp} is not the temporary folder of {final}")
+    commit.finalize()
 
 
 def remove_dir(path: Path) -> None:
@@ -73,21 +196,26 @@ def remove_dir(path: Path) -> None:
     fault_point("commit.remove_dir.done")
 
 
-def clean_stale_tmp(parent: Path, keep: tuple[Path, ...] = ()) -> list[Path]:
-    """Remove leftover temporary / trash folders of HF exports in ``parent``.
+def clean_leftovers(parent: Path, is_leftover: Callable[[str], bool], keep: tuple[Path, ...] = ()) -> list[Path]:
+    """Remove the folders of ``parent`` whose names ``is_leftover`` accepts, except ``keep``.
 
-    Call only when no save into ``parent`` is in flight except those listed in ``keep``.
-    Returns the removed paths.
-    """
-    removed = []
+    Call only when no commit into ``parent`` is in flight except those in ``keep``.
+    Returns the removed paths."""
+    removed: list[Path] = []
     if not parent.is_dir():
         return removed
     keep_names = {p.name for p in keep}
     for child in parent.iterdir():
-        if is_export_tmp_name(child.name) and child.name not in keep_names and child.is_dir():
+        if is_leftover(child.name) and child.name not in keep_names and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
+
+
+def clean_stale_tmp(parent: Path, keep: tuple[Path, ...] = ()) -> list[Path]:
+    """Remove leftover ``.tmp-`` / ``.old-`` / ``.trash-`` folders of HF exports in ``parent``
+    (never the recover checkpoint's, which live in the same model folder)."""
+    return clean_leftovers(parent, is_export_tmp_name, keep)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

@@ -8,7 +8,8 @@ On disk (SPEC §4)::
 A save writes the new DCP directory and the new ``recover_info`` beside the current ones
 (``.tmp-recover_checkpoint-{gen}``, ``.tmp-recover_info-{gen}``; ``checkpoint_info.json``,
 holding size and CRC32 of every file, is written last and fsynced), then swaps them in by
-four renames. A crash at any instant leaves either the old pair, or a complete new pair
+four renames: two :class:`~areal_lightning.commit.atomic.AtomicDir` commits with the
+generation as their token, run after the DCP save returned. A crash at any instant leaves either the old pair, or a complete new pair
 that :meth:`RecoverStore.repair` rolls forward on the next start. The folder names
 carry the generation, so the swap is never confused with another save. Disk use is one
 checkpoint plus, while a save is being written, the new one.
@@ -22,50 +23,40 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import uuid
-import zlib
 from pathlib import Path
 from typing import Any
 
 from areal_lightning._fault import fault_point
-from areal_lightning.commit.atomic import atomic_write_json, fsync_dir
+from areal_lightning.commit.atomic import (
+    AtomicDir,
+    CommitPoints,
+    atomic_write_json,
+    clean_leftovers,
+    fsync_dir,
+)
+from areal_lightning.commit.manifest import file_checksums, file_checksums_of
 from areal_lightning.errors import CheckpointCorruptError
-from areal_lightning.layout import COMMIT_MARKER, TrialLayout
+from areal_lightning.layout import (
+    CHECKPOINT_INFO,
+    COMMIT_MARKER,
+    INFO_FILES,
+    LOCK_FILE,
+    OLD_PREFIX,
+    RECOVER_CHECKPOINT,
+    RECOVER_INFO,
+    STEP_INFO,
+    TMP_PREFIX,
+    TrialLayout,
+)
 
-__all__ = ["TrialLock", "RecoverStore", "RecoverMismatchError", "INFO_FILES", "FORMAT_VERSION", "file_checksums", "file_checksums_of"]
+__all__ = ["TrialLock", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_VERSION"]
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-INFO_FILES = (
-    "step_info.json", "saver_info.json", "evaluator_info.json", "stats_logger_info.json", "dataloader_info.json",
-    "checkpoint_info.json",  # last: its presence marks a complete recover_info
-)
-_TMP_CKPT = ".tmp-recover_checkpoint-"
-_OLD_CKPT = ".old-recover_checkpoint-"
-_TMP_INFO = ".tmp-recover_info-"
-_OLD_INFO = ".old-recover_info-"
-_CHUNK = 8 << 20
-
-
-class RecoverMismatchError(RuntimeError):
-    """The recover checkpoint was written by a run that differs from this one (world size,
-    strategy, experiment, trial); the message explains what differs and what to do."""
-
-
-def file_checksums_of(path: Path) -> dict[str, int]:
-    """``{"size", "crc32"}`` of one file."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return {"size": path.stat().st_size, "crc32": crc}
-
-
-def file_checksums(root: Path) -> dict[str, dict[str, int]]:
-    """``{relative path: {"size", "crc32"}}`` of every file below ``root``."""
-    return {str(p.relative_to(root)): file_checksums_of(p) for p in sorted(root.rglob("*")) if p.is_file()}
+_CKPT_POINTS = CommitPoints(None, "recover.swap.old_checkpoint_moved", "recover.swap.new_checkpoint_in_place")
+_INFO_POINTS = CommitPoints(None, "recover.swap.old_info_moved", "recover.swap.new_info_in_place")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -99,7 +90,7 @@ class TrialLock:
     """
 
     def __init__(self, trial_dir: Path) -> None:
-        self.path = trial_dir / ".lock"
+        self.path = trial_dir / LOCK_FILE
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -141,35 +132,53 @@ class RecoverStore:
         self.ckpt_dir = layout.recover_checkpoint_dir(name)
         self.info_dir = layout.recover_info_dir
 
+    @classmethod
+    def in_trial(cls, trial_dir: Path, name: str = "default") -> "RecoverStore":
+        """The store of model ``name`` in the trial folder ``trial_dir`` (a path that need
+        not follow ``{fileroot}/checkpoints/...``: ``inspect`` and ``certify`` use it)."""
+        store = cls.__new__(cls)
+        store.layout = None
+        store.ckpt_dir = Path(trial_dir) / name / RECOVER_CHECKPOINT
+        store.info_dir = Path(trial_dir) / RECOVER_INFO
+        return store
+
     # -- writing ---------------------------------------------------------------------------
 
     @staticmethod
     def new_generation(global_step: int) -> str:
-        """A unique name for one save."""
+        """A unique name for one save (the token of its two :class:`AtomicDir` commits)."""
         return f"{global_step}-{uuid.uuid4().hex[:8]}"
+
+    def commits(self, gen: str) -> tuple[AtomicDir, AtomicDir]:
+        """The two commits of save ``gen``: the DCP directory, then its ``recover_info``."""
+        return (AtomicDir(self.ckpt_dir, gen, fsync=False, points=_CKPT_POINTS),
+                AtomicDir(self.info_dir, gen, fsync=False, points=_INFO_POINTS))
 
     def tmp_ckpt_dir(self, gen: str) -> Path:
         """Where the DCP files of save ``gen`` are written."""
-        return self.ckpt_dir.parent / f"{_TMP_CKPT}{gen}"
+        return self.commits(gen)[0].tmp
 
     def tmp_info_dir(self, gen: str) -> Path:
         """Where the ``recover_info`` of save ``gen`` is written before the swap."""
-        return self.info_dir.parent / f"{_TMP_INFO}{gen}"
+        return self.commits(gen)[1].tmp
+
+    def target(self, gen: str, info: dict[str, dict[str, Any]]) -> "RecoverCommit":
+        """The :class:`~areal_lightning.commit.atomic.CommitTarget` of save ``gen``
+        (``DCPCheckpointIO``'s ``storage_options``): the DCP files go to
+        :meth:`tmp_ckpt_dir`, and its ``finalize`` is :meth:`commit`."""
+        return RecoverCommit(self, gen, info)
 
     def clean_stale(self) -> None:
         """Remove leftovers of interrupted saves (call when no save is in flight)."""
-        for parent, prefixes in ((self.ckpt_dir.parent, (_TMP_CKPT, _OLD_CKPT)),
-                                 (self.info_dir.parent, (_TMP_INFO, _OLD_INFO))):
-            if parent.is_dir():
-                for child in parent.iterdir():
-                    if child.name.startswith(prefixes):
-                        shutil.rmtree(child, ignore_errors=True)
+        for final in (self.ckpt_dir, self.info_dir):
+            clean_leftovers(final.parent, lambda name, final=final: _is_leftover_of(name, final.name))
 
     def commit(self, gen: str, info: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
         """Publish the committed DCP directory of save ``gen`` with its ``recover_info``.
 
-        ``info`` maps each of :data:`INFO_FILES` to its content; the file list with sizes
-        and checksums and the commit time are added to ``checkpoint_info.json`` here.
+        Runs once the DCP save has returned (for an async save, in the background), on
+        rank 0. ``info`` maps each of :data:`INFO_FILES` to its content; the file list with
+        sizes and checksums and the commit time are added to ``checkpoint_info.json`` here.
         Returns that file list.
         """
         tmp_ckpt = self.tmp_ckpt_dir(gen)
@@ -177,17 +186,16 @@ class RecoverStore:
             raise CheckpointCorruptError(
                 f"{tmp_ckpt} has no {COMMIT_MARKER} at commit time (was it removed by another process?); "
                 "the previous recover checkpoint stays in place")
-        checkpoint_info = dict(info["checkpoint_info.json"])
+        checkpoint_info = dict(info[CHECKPOINT_INFO])
         checkpoint_info.update(
             generation=gen,
             files=file_checksums(tmp_ckpt),
             commit_time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
         )
-        tmp_info = self.tmp_info_dir(gen)
-        tmp_info.mkdir(parents=True, exist_ok=True)
+        tmp_info = self.commits(gen)[1].create()
         for name in INFO_FILES:
-            content = checkpoint_info if name == "checkpoint_info.json" else info[name]
-            if name == "checkpoint_info.json":
+            content = checkpoint_info if name == CHECKPOINT_INFO else info[name]
+            if name == CHECKPOINT_INFO:
                 fault_point("recover.info.before_checkpoint_info")
             atomic_write_json(tmp_info / name, content)
             fault_point("recover.info.after_file")
@@ -197,30 +205,13 @@ class RecoverStore:
         return checkpoint_info["files"]
 
     def _finish_swap(self, gen: str) -> None:
-        """Idempotently move the new pair of ``gen`` into place (also used by :meth:`repair`).
-
-        The new DCP folder is either still at its temporary name or already in place (a
-        crash after that rename); the recover_info follows it.
-        """
-        tmp_ckpt, tmp_info = self.tmp_ckpt_dir(gen), self.tmp_info_dir(gen)
-        old_ckpt = self.ckpt_dir.parent / f"{_OLD_CKPT}{gen}"
-        old_info = self.info_dir.parent / f"{_OLD_INFO}{gen}"
-        if tmp_ckpt.exists():
-            if self.ckpt_dir.exists():
-                os.rename(self.ckpt_dir, old_ckpt)
-                fault_point("recover.swap.old_checkpoint_moved")
-            os.rename(tmp_ckpt, self.ckpt_dir)
-            fsync_dir(self.ckpt_dir.parent)
-            fault_point("recover.swap.new_checkpoint_in_place")
-        if tmp_info.exists():
-            if self.info_dir.exists():
-                os.rename(self.info_dir, old_info)
-                fault_point("recover.swap.old_info_moved")
-            os.rename(tmp_info, self.info_dir)
-            fsync_dir(self.info_dir.parent)
-            fault_point("recover.swap.new_info_in_place")
-        shutil.rmtree(old_ckpt, ignore_errors=True)
-        shutil.rmtree(old_info, ignore_errors=True)
+        """Idempotently move the new pair of ``gen`` into place (also used by :meth:`repair`):
+        the DCP folder's commit, then the recover_info's, then the replaced pair is deleted."""
+        commits = self.commits(gen)
+        for commit in commits:
+            commit.finalize(remove_old=False)
+        for commit in commits:
+            commit.remove_old()
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -236,17 +227,17 @@ class RecoverStore:
         parent = self.info_dir.parent
         if not parent.is_dir():
             return None
+        tmp_info = f"{TMP_PREFIX}{self.info_dir.name}-"
         complete = {}
         for c in parent.iterdir():
-            step, _, _token = c.name[len(_TMP_INFO):].partition("-")
-            if c.name.startswith(_TMP_INFO) and step.isdigit() and (c / "checkpoint_info.json").is_file():
-                complete[int(step)] = c.name[len(_TMP_INFO):]
+            step, _, _token = c.name[len(tmp_info):].partition("-")
+            if c.name.startswith(tmp_info) and step.isdigit() and (c / CHECKPOINT_INFO).is_file():
+                complete[int(step)] = c.name[len(tmp_info):]
         if not complete:
             return None
         gen = complete[max(complete)]
-        began = ((self.ckpt_dir.parent / f"{_OLD_CKPT}{gen}").exists()
-                 or (self.info_dir.parent / f"{_OLD_INFO}{gen}").exists()
-                 or (not self.tmp_ckpt_dir(gen).exists() and self._in_place_is(gen)))
+        ckpt, info = self.commits(gen)
+        began = ckpt.old.exists() or info.old.exists() or (not ckpt.tmp.exists() and self._in_place_is(gen))
         return gen if began else None
 
     def repair(self) -> str | None:
@@ -264,7 +255,7 @@ class RecoverStore:
     def _in_place_is(self, gen: str) -> bool:
         """Does ``recover_checkpoint/`` hold the checkpoint described by the temporary info of ``gen``?"""
         try:
-            want = json.loads((self.tmp_info_dir(gen) / "checkpoint_info.json").read_text())["files"][COMMIT_MARKER]
+            want = json.loads((self.tmp_info_dir(gen) / CHECKPOINT_INFO).read_text())["files"][COMMIT_MARKER]
             have = file_checksums_of(self.ckpt_dir / COMMIT_MARKER)
         except (OSError, ValueError, KeyError, TypeError):
             return False
@@ -277,8 +268,8 @@ class RecoverStore:
     def read_info(self) -> dict[str, dict[str, Any]]:
         """All ``recover_info`` files, validated for syntax and mutual consistency."""
         info = {name: _read_json(self.info_dir / name) for name in INFO_FILES}
-        ckpt, step = info["checkpoint_info.json"], info["step_info.json"]
-        path = self.info_dir / "checkpoint_info.json"
+        ckpt, step = info[CHECKPOINT_INFO], info[STEP_INFO]
+        path = self.info_dir / CHECKPOINT_INFO
         if ckpt.get("format_version") != FORMAT_VERSION:
             raise CheckpointCorruptError(
                 f"{path}: format_version {ckpt.get('format_version')!r} is not {FORMAT_VERSION}, "
@@ -290,14 +281,14 @@ class RecoverStore:
             if not isinstance(ckpt.get(key), types):
                 raise CheckpointCorruptError(
                     f"{path}: {key!r} is missing or not a {types.__name__}; delete {self.info_dir} to start fresh.")
-        step_path = self.info_dir / "step_info.json"
+        step_path = self.info_dir / STEP_INFO
         for key in ("epoch", "epoch_step", "global_step"):
             if not isinstance(step.get(key), int):
                 raise CheckpointCorruptError(
                     f"{step_path}: {key!r} is missing or not an integer; delete {self.info_dir} to start fresh.")
         if step.get("global_step") != ckpt["global_step"] - 1:
             raise CheckpointCorruptError(
-                f"{self.info_dir / 'step_info.json'} says global step {step.get('global_step')!r} but "
+                f"{step_path} says global step {step.get('global_step')!r} but "
                 f"{path} describes a checkpoint after {ckpt['global_step']} steps: recover_info/ does not "
                 f"describe the checkpoint that is there. Delete {self.info_dir} to start fresh."
             )
@@ -317,14 +308,14 @@ class RecoverStore:
             )
         expected: dict[str, dict[str, int]] = checkpoint_info["files"]
         if COMMIT_MARKER not in expected:
-            raise CheckpointCorruptError(f"{self.info_dir / 'checkpoint_info.json'} lists no {COMMIT_MARKER}")
+            raise CheckpointCorruptError(f"{self.info_dir / CHECKPOINT_INFO} lists no {COMMIT_MARKER}")
         total = 0
         for rel, want in sorted(expected.items()):
             path = self.ckpt_dir / rel
             hint = f"the recover checkpoint is damaged; restore the file or delete {self.info_dir} to start fresh"
             if not isinstance(want, dict) or not isinstance(want.get("size"), int) or (
                     crc and not isinstance(want.get("crc32"), int)):
-                raise CheckpointCorruptError(f"{self.info_dir / 'checkpoint_info.json'}: bad entry for {rel!r}: {want!r}")
+                raise CheckpointCorruptError(f"{self.info_dir / CHECKPOINT_INFO}: bad entry for {rel!r}: {want!r}")
             if not path.is_file():
                 raise CheckpointCorruptError(f"{path} is missing: {hint}.")
             size = path.stat().st_size
@@ -334,3 +325,31 @@ class RecoverStore:
                 raise CheckpointCorruptError(f"{path} fails its CRC32 check (content altered): {hint}.")
             total += size
         return total
+
+
+def _is_leftover_of(name: str, final: str) -> bool:
+    """A ``.tmp-`` / ``.old-`` sibling of the recover folder ``final`` (any generation)."""
+    return name.startswith((f"{TMP_PREFIX}{final}-", f"{OLD_PREFIX}{final}-"))
+
+
+class RecoverCommit:
+    """The :class:`~areal_lightning.commit.atomic.CommitTarget` of one recover save: the DCP
+    files are written to :attr:`tmp`; :meth:`finalize` writes ``recover_info`` and swaps
+    the pair in (:meth:`RecoverStore.commit`). ``files`` holds the committed file list."""
+
+    def __init__(self, store: RecoverStore, gen: str, info: dict[str, dict[str, Any]]) -> None:
+        self.store, self.gen, self.info = store, gen, info
+        self.final = store.ckpt_dir
+        self.tmp = store.tmp_ckpt_dir(gen)
+        self.files: dict[str, dict[str, int]] | None = None
+
+    def create(self) -> Path:
+        """Create the temporary DCP folder of this save."""
+        return self.store.commits(self.gen)[0].create()
+
+    def finalize(self) -> None:
+        """Write ``recover_info`` and swap the new pair in (rank 0, after the DCP save returned)."""
+        self.files = self.store.commit(self.gen, self.info)
+
+    def discard(self) -> None:
+        """Leave the leftovers to :meth:`RecoverStore.clean_stale` at the next save."""

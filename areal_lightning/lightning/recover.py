@@ -32,7 +32,6 @@ from areal_lightning.collective import (
 )
 from areal_lightning.commit.recover_store import (
     FORMAT_VERSION,
-    RecoverMismatchError,
     RecoverStore,
     TrialLock,
 )
@@ -43,7 +42,7 @@ from areal_lightning.config import (
     as_experiment,
     validate_model_name,
 )
-from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.errors import CheckpointCorruptError, RecoverMismatchError
 from areal_lightning.layout import TrialLayout
 from areal_lightning.lightning.bridge import (
     SHARDED_STRATEGY_NAMES,

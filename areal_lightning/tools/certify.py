@@ -92,7 +92,18 @@ from typing import Any, Callable, Sequence
 
 from areal_lightning._fault import ENV_VAR as FAULT_ENV
 from areal_lightning._fault import POINTS, TRACE_ENV_VAR
-from areal_lightning.layout import TMP_PREFIX, TRASH_PREFIX, parse_export_name
+from areal_lightning.errors import AreaLightningError
+from areal_lightning.layout import (
+    CHECKPOINT_INFO,
+    LEFTOVER_PREFIXES,
+    LOCK_FILE,
+    OLD_PREFIX,
+    RECOVER_CHECKPOINT,
+    RECOVER_INFO,
+    STEP_INFO,
+    TMP_PREFIX,
+    parse_export_name,
+)
 
 __all__ = [
     "ENV_MODE", "ENV_ROOT", "ENV_LOSSES", "LossRecorder", "record_loss", "certify", "CertifyUsageError",
@@ -103,14 +114,11 @@ ENV_MODE = "AREAL_LIGHTNING_CERTIFY_MODE"
 ENV_ROOT = "AREAL_LIGHTNING_CERTIFY_ROOT"
 ENV_LOSSES = "AREAL_LIGHTNING_CERTIFY_LOSSES"
 PLACEHOLDERS = ("{root}", "{mode}", "{losses}")
-LEFTOVER_PREFIXES = (TMP_PREFIX, TRASH_PREFIX, ".old-")
-_TMP_INFO = ".tmp-recover_info-"
-_TMP_CKPT = ".tmp-recover_checkpoint-"
 END_CHECK = "after the last run: "
 _RESUMED = re.compile(r"RecoverCallback: resumed from (\S+) after global step (\d+)")
 
 
-class CertifyUsageError(ValueError):
+class CertifyUsageError(AreaLightningError, ValueError):
     """Bad arguments to ``certify`` (exit code 2)."""
 
 
@@ -306,38 +314,34 @@ def find_trials(root: Path) -> list[Path]:
     found = set()
     if root.is_dir():
         for path in root.rglob("*"):
-            if path.name in (".lock", "recover_info") or path.name.startswith((_TMP_INFO, ".old-recover_info-")):
+            if path.name in (LOCK_FILE, RECOVER_INFO) or path.name.startswith(
+                    (f"{TMP_PREFIX}{RECOVER_INFO}-", f"{OLD_PREFIX}{RECOVER_INFO}-")):
                 found.add(path.parent)
     return sorted(found)
 
 
 def _step_of(info_dir: Path) -> int:
-    return int(json.loads((info_dir / "step_info.json").read_text())["global_step"])
+    return int(json.loads((info_dir / STEP_INFO).read_text())["global_step"])
 
 
 def expected_resume(trial: Path) -> int | None:
     """The global step (0-based, as in ``step_info.json``) a start of ``trial`` must resume after.
 
-    Read-only, from the documented commit protocol: the new pair of an interrupted swap
-    (its complete ``.tmp-recover_info-{gen}`` exists and the swap had begun: the old
-    checkpoint or info was moved aside, or the new checkpoint is no longer at its temporary
-    name), else the committed ``recover_info/`` (with its ``checkpoint_info.json``), else
-    ``None`` (a fresh start).
+    Read-only: the new pair of an interrupted swap that the next start rolls forward
+    (:meth:`~areal_lightning.commit.recover_store.RecoverStore.pending_swap`), else the
+    committed ``recover_info/``, else ``None`` (a fresh start).
     """
-    pending: list[tuple[int, int]] = []
-    for tmp in trial.glob(_TMP_INFO + "*"):
-        gen = tmp.name[len(_TMP_INFO):]
-        if not (tmp / "checkpoint_info.json").is_file():
-            continue
-        moved_aside = ((trial / f".old-recover_info-{gen}").exists()
-                       or any(trial.glob(f"*/.old-recover_checkpoint-{gen}")))
-        in_place = not any(trial.glob(f"*/{_TMP_CKPT}{gen}"))
-        if moved_aside or in_place:
-            pending.append((_step_of(tmp), int(gen.partition("-")[0])))
-    if pending:
-        return max(pending, key=lambda p: p[1])[0]
-    info = trial / "recover_info"
-    if (info / "checkpoint_info.json").is_file():
+    from areal_lightning.commit.recover_store import RecoverStore
+
+    names = sorted({p.parent.name for p in trial.glob("*/*") if p.name == RECOVER_CHECKPOINT
+                    or p.name.startswith((f"{TMP_PREFIX}{RECOVER_CHECKPOINT}-", f"{OLD_PREFIX}{RECOVER_CHECKPOINT}-"))})
+    for name in names or ["default"]:
+        store = RecoverStore.in_trial(trial, name)
+        gen = store.pending_swap()
+        if gen is not None:
+            return _step_of(store.tmp_info_dir(gen))
+    info = trial / RECOVER_INFO
+    if (info / CHECKPOINT_INFO).is_file():
         return _step_of(info)
     return None
 
@@ -350,7 +354,7 @@ def leftovers(trial: Path) -> list[str]:
 def _exports(trial: Path) -> dict[str, Path]:
     out = {}
     for model in trial.iterdir() if trial.is_dir() else ():
-        if model.is_dir() and not model.name.startswith(".") and model.name != "recover_info":
+        if model.is_dir() and not model.name.startswith(".") and model.name != RECOVER_INFO:
             for child in model.iterdir():
                 if child.is_dir() and parse_export_name(child.name) is not None:
                     out[f"{model.name}/{child.name}"] = child

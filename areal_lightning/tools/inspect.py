@@ -34,25 +34,25 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from areal_lightning.errors import AreaLightningError
 from areal_lightning.layout import (
+    LEFTOVER_PREFIXES,
+    LOCK_FILE,
+    RECOVER_CHECKPOINT,
+    RECOVER_INFO,
     TMP_PREFIX,
-    TRASH_PREFIX,
     TrialLayout,
     parse_export_name,
 )
 
 __all__ = ["InspectUsageError", "inspect_trial", "inspect_path", "render_reports", "run_inspect"]
 
-OLD_PREFIX = ".old-"
-LEFTOVER_PREFIXES = (TMP_PREFIX, TRASH_PREFIX, OLD_PREFIX)
-RECOVER_CHECKPOINT = "recover_checkpoint"
-RECOVER_INFO = "recover_info"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _MAX_HEADER = 100 << 20  # the safetensors library refuses headers above 100 MB too
 
 
-class InspectUsageError(ValueError):
+class InspectUsageError(AreaLightningError, ValueError):
     """The path given to ``inspect`` does not exist or holds no trial (exit code 2)."""
 
 
@@ -365,7 +365,7 @@ def _lock_holder(trial_dir: Path) -> dict[str, Any] | None:
     host holds the ``flock`` now (read from ``/proc/locks``; ``None`` where that is not
     available, e.g. not Linux), ``holder_pid`` its pid. ``None`` when there is no ``.lock``.
     """
-    lock = trial_dir / ".lock"
+    lock = trial_dir / LOCK_FILE
     try:
         text = lock.read_text(errors="replace").strip()
         st = lock.stat()
@@ -483,7 +483,7 @@ def inspect_trial(trial_dir: str | os.PathLike[str], verify: bool = False) -> di
 
 
 def _looks_like_trial(path: Path) -> bool:
-    if (path / RECOVER_INFO).is_dir() or (path / ".lock").is_file():
+    if (path / RECOVER_INFO).is_dir() or (path / LOCK_FILE).is_file():
         return True
     try:
         children = list(path.iterdir())
