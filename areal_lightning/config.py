@@ -35,7 +35,14 @@ __all__ = [
     "validate_name",
 ]
 
-SAVER_MODES = ("auto", "sync", "async")
+IO_MODES = ("auto", "sync", "async")
+"""How a save runs: ``sync`` (in the training thread), ``async`` (host copy, then a background
+write) or ``auto`` (async where this run supports it). The modes of ``HFSaverCallback``,
+``RecoverCallback(io_mode=...)`` and ``DCPCheckpointIO``."""
+SAVER_MODES = IO_MODES
+SHARDED_METHODS = ("gather", "dcp")
+"""How ``HFSaverCallback`` exports sharded weights (see :mod:`areal_lightning.hf_export`)."""
+DEFAULT_SHARDED_METHOD = "gather"
 RECOVER_MODES = ("on", "auto", "off", "disabled")
 
 T = TypeVar("T")

@@ -31,12 +31,24 @@ positions into ``per_rank``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
 
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
+from areal_lightning.commit.atomic import AtomicDir
+from areal_lightning.layout import new_token
+from areal_lightning.lightning._internals import (
+    fsdp_state_dict_type,
+    saves_distributed_checkpoint,
+    set_fsdp_state_dict_type,
+    set_save_distributed_checkpoint,
+)
+
 log = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 __all__ = ["install_bridge", "is_bridged", "is_sharded", "warn_if_single_fsdp_unit", "SHARDED_STRATEGY_NAMES"]
 
@@ -106,28 +118,30 @@ def install_bridge(strategy: Strategy, io: Any) -> None:
     :class:`~areal_lightning.lightning.checkpoint_io.DCPCheckpointIO`). Idempotent; see the module doc."""
     if strategy.__dict__.get("_areal_bridge") is io:
         return
-    if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type != "sharded":
+    if isinstance(strategy, FSDPStrategy) and fsdp_state_dict_type(strategy) != "sharded":
         log.info("areal_lightning: FSDPStrategy state_dict_type=%r -> 'sharded' (each rank writes its shard)",
-                 strategy._state_dict_type)
-        strategy._state_dict_type = "sharded"
-    if isinstance(strategy, ModelParallelStrategy) and not strategy._save_distributed_checkpoint:
+                 fsdp_state_dict_type(strategy))
+        set_fsdp_state_dict_type(strategy, "sharded")
+    if isinstance(strategy, ModelParallelStrategy) and not saves_distributed_checkpoint(strategy):
         log.info("areal_lightning: ModelParallelStrategy save_distributed_checkpoint -> True "
                  "(each rank writes its shard)")
-        strategy._save_distributed_checkpoint = True
+        set_save_distributed_checkpoint(strategy, True)
     sharded = is_sharded(strategy)
 
-    def common_path(path: _PATH) -> str:
+    def common_path(path: PathLike) -> str:
         if strategy.world_size == 1:
             return str(path)
         return str(io.engine.ranks.agree(None, "checkpoint path", str(path))[0])  # rank 0's path
 
-    def save_checkpoint(checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"save_checkpoint: storage_options is not supported with DCPCheckpointIO "
-                            f"(got {storage_options!r})")
-        io.save_checkpoint(checkpoint, common_path(filepath))
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
+        if storage_options is None and strategy.world_size > 1:
+            # One atomic directory for all ranks: rank 0's path and commit token.
+            path, token = io.engine.ranks.agree(None, "checkpoint path", (str(filepath), new_token()))[0]
+            storage_options = AtomicDir(Path(path), token, fsync=False)
+        io.save_checkpoint(checkpoint, filepath if storage_options is not None else common_path(filepath),
+                           storage_options=storage_options)
 
-    def load_checkpoint(checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = common_path(checkpoint_path)
         if not sharded:
             return io.load_checkpoint(path, weights_only=weights_only)
@@ -138,6 +152,6 @@ def install_bridge(strategy: Strategy, io: Any) -> None:
     strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
     strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
     strategy.__dict__["_areal_bridge"] = io
-    io.engine.collective = True
+    io.enable_collective()
     log.debug("areal_lightning: bridge installed on %s", type(strategy).__name__)
 

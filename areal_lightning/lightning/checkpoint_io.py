@@ -40,25 +40,30 @@ in one collective DCP save, and loads reshard into the live model. Without the b
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
+from areal_lightning.commit.atomic import AtomicDir, CommitTarget
+from areal_lightning.config import IO_MODES
+from areal_lightning.errors import ConfigError
+from areal_lightning.lightning._internals import unwrap_checkpoint_io
 from areal_lightning.lightning.bridge import install_bridge
 from areal_lightning.write.dcp import DCPEngine
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "sync", "async")
+PathLike = Union[str, "os.PathLike[str]"]
+
 
 
 def _async_supported() -> tuple[bool, str]:
@@ -83,8 +88,8 @@ class DCPCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, mode: str = "auto", *, thread_count: int = 2) -> None:
-        if mode not in MODES:
-            raise ValueError(f"DCPCheckpointIO: mode={mode!r} is not allowed; choose one of {', '.join(MODES)}")
+        if mode not in IO_MODES:
+            raise ConfigError("mode", f"DCPCheckpointIO: mode={mode!r} is not allowed; choose one of {', '.join(IO_MODES)}")
         self._mode = mode
         self._resolved: str | None = None
         self._engine = DCPEngine(thread_count=thread_count)
@@ -116,21 +121,53 @@ class DCPCheckpointIO(CheckpointIO):
         """The underlying :class:`DCPEngine`."""
         return self._engine
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Write ``checkpoint`` to the DCP directory ``path`` (first surfacing a failure of
-        the previous async save). See the module doc for when an async save returns."""
-        if storage_options is not None:
-            raise TypeError(f"DCPCheckpointIO.save_checkpoint: storage_options is not supported (got {storage_options!r})")
+    def enable_collective(self) -> None:
+        """Every rank calls :meth:`save_checkpoint` together (the strategy bridge does):
+        one collective DCP save, each rank writing its own files."""
+        self._engine.collective = True
+
+    def add_staging_waiter(self) -> None:
+        """Something (a callback) waits for staging before the next optimizer step, so an
+        async :meth:`save_checkpoint` may return before its host copy is done."""
+        self._staging_waiters += 1
+
+    def remove_staging_waiter(self) -> None:
+        """Undo :meth:`add_staging_waiter`."""
+        self._staging_waiters = max(0, self._staging_waiters - 1)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` as the DCP directory ``path`` (first surfacing a failure of
+        the previous async save). See the module doc for when an async save returns.
+
+        The directory is written aside and renamed into place once DCP's save returned (an
+        :class:`~areal_lightning.commit.atomic.AtomicDir`; in the background for async
+        saves), so ``path`` always holds a complete checkpoint, the old one until the new
+        one replaces it. ``storage_options`` may be a commit target
+        (:class:`~areal_lightning.commit.atomic.CommitTarget`: what ``RecoverCallback``
+        passes through ``trainer.save_checkpoint``) to write and commit instead."""
+        target = self._target(path, storage_options)
         asynchronous = self.resolved_mode == "async"
         start = time.perf_counter()
-        self._engine.save(checkpoint, path, asynchronous=asynchronous)
+        lead = not self._engine.is_collective() or dist.get_rank() == 0
+        self._engine.save(checkpoint, target.tmp, asynchronous=asynchronous, label=target.final,
+                          prepare=target.create, then=target.finalize if lead else None)
         if asynchronous and self._staging_waiters == 0:
             self._engine.wait_for_staging()
         log.debug("save_checkpoint(%s, %s) held the caller %.3f s", path, self.resolved_mode, time.perf_counter() - start)
 
+    @staticmethod
+    def _target(path: PathLike, storage_options: Any) -> CommitTarget:
+        if storage_options is None:
+            return AtomicDir(Path(path), fsync=False)  # DCP makes the files and the folder durable
+        if all(callable(getattr(storage_options, name, None)) for name in ("create", "finalize", "discard")) and \
+                isinstance(getattr(storage_options, "tmp", None), Path):
+            return storage_options
+        raise TypeError("DCPCheckpointIO.save_checkpoint: storage_options must be None or a commit target "
+                        f"(areal_lightning.commit.atomic.AtomicDir, RecoverStore.target), got {storage_options!r}")
+
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: PathLike,
         map_location: Optional[Any] = None,
         weights_only: Optional[bool] = None,
         template: Optional[dict[str, Any]] = None,
@@ -151,7 +188,7 @@ class DCPCheckpointIO(CheckpointIO):
             checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))
         return checkpoint
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         """Delete the checkpoint at ``path``, waiting first if it is being written."""
         self._engine.remove(path)
 
@@ -168,10 +205,9 @@ class DCPCheckpointIO(CheckpointIO):
         self._engine.close()
 
 
-def _find_io(trainer: Trainer) -> DCPCheckpointIO | None:
-    io = trainer.strategy.checkpoint_io
-    while isinstance(io, _WrappingCheckpointIO):
-        io = io.checkpoint_io
+def find_io(trainer: Trainer) -> DCPCheckpointIO | None:
+    """The trainer's :class:`DCPCheckpointIO` (also inside Lightning's IO wrappers), else ``None``."""
+    io = unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
     return io if isinstance(io, DCPCheckpointIO) else None
 
 
@@ -191,17 +227,17 @@ class StagingWaitCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Attach to the trainer's ``DCPCheckpointIO`` (warns if there is none) and install
         the strategy bridge, so every rank writes its own shard."""
-        self._io = _find_io(trainer)
+        self._io = find_io(trainer)
         if self._io is None:
             rank_zero_warn("StagingWaitCallback: the trainer's checkpoint_io is not a DCPCheckpointIO; the callback does nothing")
         else:
-            self._io._staging_waiters += 1
+            self._io.add_staging_waiter()
             install_bridge(trainer.strategy, self._io)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Detach, so saves outside ``fit`` wait for their own staging again."""
         if self._io is not None:
-            self._io._staging_waiters -= 1
+            self._io.remove_staging_waiter()
             self._io = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -226,9 +226,9 @@ class HFSaverCallback(Callback):
     def _resolve_mode(self, trainer: "pl.Trainer") -> str:
         mode = self.config.mode
         if mode == "auto":
-            from areal_lightning.lightning.checkpoint_io import _find_io
+            from areal_lightning.lightning.checkpoint_io import find_io
 
-            return "async" if _find_io(trainer) is not None else "sync"
+            return "async" if find_io(trainer) is not None else "sync"
         return mode
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -50,7 +50,7 @@ from areal_lightning.lightning.bridge import (
     is_sharded,
     warn_if_single_fsdp_unit,
 )
-from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, _find_io
+from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
 from areal_lightning.telemetry import SaveReport, Telemetry
 from areal_lightning.trigger.freq import EpochPosition, FreqController
 
@@ -308,7 +308,7 @@ class RecoverCallback(Callback):
         self.freq.start()
 
     def _install_io(self, trainer: "pl.Trainer") -> DCPCheckpointIO:
-        io = _find_io(trainer)
+        io = find_io(trainer)
         if io is not None:
             return io
         current = trainer.strategy._checkpoint_io

@@ -110,8 +110,14 @@ class BackgroundWorker:
                 self._executor = None
         self.raise_if_failed()
 
-    def _track(self, label: str, done: Future, staged: Future | None) -> None:
-        """Adopt a job started elsewhere (``dcp.async_save``); the caller waited before."""
+    @property
+    def stager(self) -> HostStager:
+        """The worker's host stager (the ``async_stager`` of its ``dcp.async_save`` jobs)."""
+        return self._stager
+
+    def track(self, label: str, done: Future, staged: Future | None) -> None:
+        """Adopt a job started elsewhere (``dcp.async_save``: its upload and staging
+        futures); the caller waited for the previous job first."""
         self._job = _Job(label, done, staged)
 
 

@@ -85,6 +85,7 @@ import pickle
 import shutil
 import warnings
 import weakref
+from concurrent.futures import Future
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -152,12 +153,11 @@ _IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]" = weakref.WeakV
 
 class _CommitWriter(FileSystemWriter):
     """``FileSystemWriter`` that fsyncs the directory after DCP's atomic ``.metadata``
-    rename, exposes the engine's fault points, and runs ``on_commit`` (if given) on the
-    coordinator once the checkpoint is committed."""
+    rename and exposes the engine's fault points. Nothing else runs inside DCP's save:
+    publishing (a commit target's ``finalize``) runs after ``dcp.save`` has returned."""
 
-    def __init__(self, *args: Any, on_commit: Callable[[], None] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._on_commit = on_commit
         self._device = cuda_device()  # of the training thread (an async save runs in DCP's thread)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -203,8 +203,6 @@ class _CommitWriter(FileSystemWriter):
         super().finish(metadata, results)
         fsync_dir(Path(self.path))
         fault_point("engine.after_commit")
-        if self._on_commit is not None:
-            self._on_commit()
 
 
 def _flat_save_planner() -> DefaultSavePlanner:
@@ -313,6 +311,26 @@ class _AdoptingReader(FileSystemReader):
         return done
 
 
+def _then(upload: Future, then: Callable[[], None] | None) -> Future:
+    """A future that completes once ``upload`` did and ``then()`` ran after it (in the
+    thread completing ``upload``: DCP's background thread), with either one's failure."""
+    if then is None:
+        return upload
+    done: Future = Future()
+
+    def chain(finished: Future) -> None:
+        try:
+            finished.result()
+            then()
+        except BaseException as exc:  # noqa: BLE001 - stored in the future, raised by wait()
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    upload.add_done_callback(chain)
+    return done
+
+
 def check_complete(path: PathLike) -> Path:
     """Return ``path`` as a ``Path`` if it is a committed DCP directory, else raise
     ``FileNotFoundError`` (nothing there) or :class:`CheckpointCorruptError`."""
@@ -375,8 +393,13 @@ class DCPEngine:
 
     @property
     def in_flight(self) -> str | None:
-        """Path of the async save still running, else ``None``."""
+        """Label (the path) of the async save still running, else ``None``."""
         return self._worker.in_flight
+
+    @property
+    def stager(self) -> Any:
+        """The :class:`~areal_lightning.stage.HostStager` of this engine's async saves."""
+        return self._worker.stager
 
     def save(
         self,
@@ -384,7 +407,9 @@ class DCPEngine:
         path: PathLike,
         *,
         asynchronous: bool = False,
-        on_commit: Callable[[], None] | None = None,
+        then: Callable[[], None] | None = None,
+        label: PathLike | None = None,
+        prepare: Callable[[], Any] | None = None,
     ) -> None:
         """Write ``state`` to the DCP directory ``path``.
 
@@ -392,24 +417,30 @@ class DCPEngine:
         the checkpoint is durable and committed. Async: returns once the copy to host has
         started; call :meth:`wait_for_staging` before mutating the tensors, :meth:`wait`
         for durability. Raises :class:`CheckpointWriteError` naming ``path`` on failure.
-        ``on_commit`` runs on the coordinator right after the commit marker is durable (in
-        the background for async saves); its failure is the save's failure."""
+
+        ``then`` (e.g. a commit target's ``finalize``, passed on the coordinator only) runs
+        after DCP's save has returned and the directory is committed: in the caller for a
+        sync save, in the background for an async one; its failure is the save's failure.
+        In a collective sync save every rank then agrees that it succeeded, so a failure of
+        rank 0's ``then`` is raised on every rank. ``label`` names the save in messages and
+        in :attr:`in_flight` (default: ``path``)."""
         path = Path(path)
-        collective = self._is_collective()
+        label = str(label if label is not None else path)
+        collective = self.is_collective()
         rank = dist.get_rank() if collective else 0
         error: BaseException | None = None
         try:
             self._worker.wait()
             fault_point("engine.before_staging")
+            if prepare is not None:
+                prepare()
             flat = split(state)
             if rank != 0:
                 # Collective save: rank 0's skeleton describes the checkpoint; the others'
                 # contribute tensors only (DCP would keep one arbitrary rank's byte item).
                 flat.pop(SKELETON_KEY)
             _invalidate(path, withdraw_marker=rank == 0)
-            writer = _CommitWriter(
-                path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, on_commit=on_commit
-            )
+            writer = _CommitWriter(path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the agreement (on every rank)
             if not collective:
                 raise
@@ -417,26 +448,38 @@ class DCPEngine:
         if collective:
             # No rank enters DCP's collectives unless every rank is ready: a failure here on
             # one rank is an error on all of them, not a hang.
-            self.ranks.agree(error, f"checkpoint save to {path}")
+            self.ranks.agree(error, f"checkpoint save to {label}")
         if not asynchronous:
+            error = None
             try:
                 dcp.save(flat, storage_writer=writer, planner=_flat_save_planner(), **self._dist_kwargs(background=False))
             except (Exception, CheckpointException) as exc:
-                raise CheckpointWriteError(f"checkpoint save to {path} failed: {exc!r}") from exc
+                raise CheckpointWriteError(f"checkpoint save to {label} failed: {exc!r}") from exc
+            try:
+                if then is not None:
+                    then()
+            except BaseException as exc:  # noqa: BLE001 - raised below (on every rank when collective)
+                error = CheckpointWriteError(f"checkpoint save to {label} failed: {exc!r}")
+                error.__cause__ = exc
+            if collective:
+                self.ranks.agree(error, f"checkpoint commit of {label}")
+            elif error is not None:
+                raise error
             return
         response = dcp.async_save(
             flat,
             storage_writer=writer,
             planner=_flat_save_planner(),
-            async_stager=self._worker._stager,
+            async_stager=self._worker.stager,
             async_checkpointer_type=AsyncCheckpointerType.THREAD,
             **self._dist_kwargs(background=True),
         )
         if isinstance(response, AsyncSaveResponse):
-            self._worker._track(str(path), response.upload_completion, response.staging_completion)
+            upload, staged = response.upload_completion, response.staging_completion
         else:  # the stager copied synchronously
-            self._worker._track(str(path), response, None)
-        _IN_FLIGHT[str(path.resolve())] = self._worker
+            upload, staged = response, None
+        self._worker.track(label, _then(upload, then), staged)
+        _IN_FLIGHT[str(Path(label).resolve())] = self._worker
 
     def wait_for_staging(self) -> None:
         """Return once the in-flight async save no longer reads the live tensors."""
@@ -519,13 +562,14 @@ class DCPEngine:
         """Wait for the save in flight, free staging buffers, raise any stored failure."""
         self._worker.close()
 
-    def _is_collective(self) -> bool:
+    def is_collective(self) -> bool:
+        """Whether saves are collective now (``collective`` and more than one rank)."""
         return self.collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _dist_kwargs(self, *, background: bool) -> dict[str, Any]:
         if not (dist.is_available() and dist.is_initialized()):
             return {"no_dist": True}
-        if not self._is_collective():
+        if not self.is_collective():
             # Rank-local call. dcp.async_save still checks that its group has a CPU backend.
             return {"no_dist": True, "process_group": self._rank_local_group() if background else None}
         # DCP's exchanges run on the dedicated gloo groups, bounded by their timeout: sync

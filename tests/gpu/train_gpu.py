@@ -53,7 +53,7 @@ class KillAt(pl.Callback):
 class Report(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         io = trainer.strategy.checkpoint_io
-        stager = io.engine._worker._stager._stager  # the engine's long-lived DefaultStager
+        stager = io.engine.stager._stager  # the engine's long-lived DefaultStager
         pinned = None
         if stager is not None:
             cache = stager._state_dict_stager._cached_storage_mapping  # source storage -> host buffer

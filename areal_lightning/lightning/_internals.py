@@ -1,0 +1,158 @@
+"""The only module that touches Lightning's private attributes (Lightning 2.6).
+
+Each function below names the private attribute it reads or replaces; every one is pinned by
+``tests/test_internals.py`` against the installed Lightning, so a Lightning upgrade that
+moves one breaks one test with a clear name instead of a training run.
+``tests/test_internals.py`` also checks that no other module of the package uses these names.
+
+Why each is needed (public Lightning has no equivalent):
+
+* auto-resume: Lightning resolves ``ckpt_path`` before any callback hook runs, and the first
+  moment the resolved path passes by a hook is ``_checkpoint_connector.resume_start``, called
+  right after ``setup``; the loaded checkpoint is then ``_loaded_checkpoint``.
+* exact dataloader position: the train loaders are built by ``fit_loop._data_source.dataloader``;
+  the loaders in use are ``fit_loop._combined_loader.flattened``; batches the data fetcher
+  prefetched are ``fit_loop._data_fetcher.batches``.
+* the CheckpointIO the user passed (``strategy._checkpoint_io``; the public property builds a
+  default one), unwrapped from Lightning's ``_WrappingCheckpointIO``.
+* per-rank sharded saves: ``FSDPStrategy._state_dict_type`` and
+  ``ModelParallelStrategy._save_distributed_checkpoint`` (constructor-only settings).
+* continuing the interrupted run's logger version: ``logger._version`` / ``logger._experiment``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = [
+    "Patch",
+    "wrap_resume_start",
+    "wrap_train_dataloader",
+    "loaded_checkpoint",
+    "train_loaders",
+    "prefetched_batches",
+    "user_checkpoint_io",
+    "unwrap_checkpoint_io",
+    "fsdp_state_dict_type",
+    "set_fsdp_state_dict_type",
+    "saves_distributed_checkpoint",
+    "set_save_distributed_checkpoint",
+    "can_redirect_logger",
+    "redirect_logger",
+]
+
+PRIVATE_NAMES = (
+    "_checkpoint_connector", "_loaded_checkpoint", "_data_source", "_combined_loader", "_data_fetcher",
+    "_checkpoint_io", "_WrappingCheckpointIO", "_state_dict_type", "_save_distributed_checkpoint",
+    "_experiment", "_version", "_restore_modules_and_callbacks", "_PATH",
+)
+"""The Lightning private names used here (and nowhere else in the package)."""
+
+
+class Patch:
+    """Instance attributes replaced on Lightning objects; :meth:`undo` restores them."""
+
+    def __init__(self) -> None:
+        self._patched: list[tuple[Any, str]] = []
+
+    def set(self, obj: Any, attr: str, value: Any) -> None:
+        """Shadow ``obj.attr`` (a method) with ``value`` on this instance only."""
+        setattr(obj, attr, value)
+        self._patched.append((obj, attr))
+
+    def undo(self) -> None:
+        """Remove every shadowing attribute (the class's methods show again); idempotent."""
+        for obj, attr in self._patched:
+            obj.__dict__.pop(attr, None)
+        self._patched = []
+
+
+def _require(obj: Any, attr: str, where: str) -> Callable[..., Any]:
+    method = getattr(obj, attr, None)
+    if not callable(method):
+        raise RuntimeError(
+            f"areal_lightning: this Lightning version has no {where}.{attr}, which auto-resume relies on; "
+            "pass ckpt_path=recover_callback.last_checkpoint() to trainer.fit instead")
+    return method
+
+
+def wrap_resume_start(trainer: Any, patch: Patch,
+                      make: Callable[[Callable[[Any, Any], None]], Callable[[Any, Any], None]]) -> None:
+    """Replace ``trainer._checkpoint_connector.resume_start(checkpoint_path, weights_only)``
+    by ``make(original)`` (called with the resolved path right after ``setup``)."""
+    connector = trainer._checkpoint_connector
+    patch.set(connector, "resume_start", make(_require(connector, "resume_start", "_checkpoint_connector")))
+
+
+def wrap_train_dataloader(trainer: Any, patch: Patch, make: Callable[[Callable[[], Any]], Callable[[], Any]]) -> None:
+    """Replace ``trainer.fit_loop._data_source.dataloader()`` (what builds the train
+    loaders, on every reload) by ``make(original)``."""
+    source = trainer.fit_loop._data_source
+    patch.set(source, "dataloader", make(_require(source, "dataloader", "fit_loop._data_source")))
+
+
+def loaded_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The checkpoint dict Lightning is restoring (``_checkpoint_connector._loaded_checkpoint``)."""
+    return trainer._checkpoint_connector._loaded_checkpoint
+
+
+def train_loaders(trainer: Any) -> list[Any]:
+    """The train loaders in use (``fit_loop._combined_loader.flattened``), in Lightning's order."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def prefetched_batches(trainer: Any) -> int:
+    """Batches the train data fetcher fetched ahead and has not yielded (``_data_fetcher.batches``)."""
+    return len(getattr(trainer.fit_loop._data_fetcher, "batches", ()))
+
+
+def user_checkpoint_io(strategy: Any) -> Any:
+    """The CheckpointIO plugin the user passed, or ``None`` (``strategy._checkpoint_io``:
+    the public ``checkpoint_io`` property creates a default one when there is none)."""
+    return strategy._checkpoint_io
+
+
+def unwrap_checkpoint_io(io: Any) -> Any:
+    """``io`` without Lightning's wrappers (``AsyncCheckpointIO`` etc., ``_WrappingCheckpointIO``)."""
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+    while isinstance(io, _WrappingCheckpointIO):
+        io = io.checkpoint_io
+    return io
+
+
+def fsdp_state_dict_type(strategy: Any) -> str:
+    """``FSDPStrategy``'s ``state_dict_type`` (``_state_dict_type``: a constructor argument only)."""
+    return strategy._state_dict_type
+
+
+def set_fsdp_state_dict_type(strategy: Any, value: str) -> None:
+    """Set ``FSDPStrategy``'s ``state_dict_type`` after construction."""
+    strategy._state_dict_type = value
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """``ModelParallelStrategy``'s ``save_distributed_checkpoint`` (``_save_distributed_checkpoint``)."""
+    return bool(strategy._save_distributed_checkpoint)
+
+
+def set_save_distributed_checkpoint(strategy: Any, value: bool) -> None:
+    """Set ``ModelParallelStrategy``'s ``save_distributed_checkpoint`` after construction."""
+    strategy._save_distributed_checkpoint = value
+
+
+def can_redirect_logger(logger: Any) -> bool:
+    """Whether ``logger`` keeps its version and experiment where :func:`redirect_logger`
+    can change them (``_version``, ``_experiment``: CSV and TensorBoard loggers)."""
+    return hasattr(logger, "_version") and hasattr(logger, "_experiment")
+
+
+def redirect_logger(logger: Any, version: Any) -> None:
+    """Close the logger's current experiment and make it log into ``version`` (the next
+    access to ``logger.experiment`` opens that version's folder)."""
+    close = getattr(logger._experiment, "close", None)
+    if callable(close):
+        close()
+    logger._experiment = None
+    logger._version = version
