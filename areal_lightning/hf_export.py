@@ -1,4 +1,11 @@
-"""HuggingFace export when ``torch.distributed`` runs more than one rank (DDP, FSDP2, DTensor).
+"""The HF export pipeline, one path for any world size: trigger -> capture -> stage -> write -> commit.
+
+:class:`HFExporter` is what ``HFSaverCallback`` calls at each trigger, on one process or on
+every rank of a ``torch.distributed`` run (DDP, FSDP1, FSDP2, DTensor): it captures the
+weights (:mod:`areal_lightning.capture.hf_weights`), stages them to host memory for async
+exports (:mod:`areal_lightning.stage`), writes them (:mod:`areal_lightning.write.hf`) and
+commits the folder (:class:`~areal_lightning.commit.atomic.AtomicDir`). On one process every
+agreement below is a no-op.
 
 Every rank calls :meth:`HFExporter.export` for the same folder, in the same
 order. The result is the layout of :func:`areal_lightning.write.hf.export_hf`: ``config.json``
@@ -93,7 +100,8 @@ from areal_lightning.capture.hf_weights import (
     split_for_dcp,
 )
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
-from areal_lightning.errors import CheckpointWriteError
+from areal_lightning.config import DEFAULT_SHARDED_METHOD, SHARDED_METHODS
+from areal_lightning.errors import CheckpointWriteError, ConfigError
 from areal_lightning.stage import BackgroundWorker
 from areal_lightning.write.hf import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -103,21 +111,24 @@ from areal_lightning.write.hf import (
     write_hf_dcp,
 )
 
+__all__ = ["HFExporter", "SHARDED_METHODS", "DEFAULT_SHARDED_METHOD", "PublishHook", "validate_method"]
+
 log = logging.getLogger(__name__)
 
-SHARDED_METHODS = ("gather", "dcp")
-"""How sharded weights become one HF folder (see the module docstring)."""
 
-DEFAULT_SHARDED_METHOD = "gather"
+def _rank() -> int:
+    """This process's rank (0 without an initialized process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
 
 PublishHook = Callable[[Path, float | None], None]
 """Called on rank 0 once an export is published: ``(final_dir, blocked_s or None for sync)``."""
 
 
 def validate_method(method: Any, field: str = "method") -> str:
-    """Return ``method`` if it is one of :data:`SHARDED_METHODS`, else raise ``ValueError`` naming ``field``."""
+    """Return ``method`` if it is one of :data:`SHARDED_METHODS`, else raise :class:`ConfigError` naming ``field``."""
     if method not in SHARDED_METHODS:
-        raise ValueError(f"{field}: unknown sharded export method {method!r}; allowed: {', '.join(SHARDED_METHODS)}")
+        raise ConfigError(field, f"unknown method {method!r}; allowed: {', '.join(SHARDED_METHODS)}")
     return method
 
 
@@ -126,7 +137,7 @@ def validate_method(method: Any, field: str = "method") -> str:
 
 
 class HFExporter:
-    """HF exports under ``torch.distributed`` with more than one rank (see the module doc).
+    """HF exports of one model, on one process or on every rank (see the module doc).
 
     Args:
         method: ``"gather"`` or ``"dcp"``, for sharded (``DTensor``) models.
@@ -228,7 +239,7 @@ class HFExporter:
         start = time.perf_counter()
         if self._worker is not None:
             self.settle()  # (a sync export already agreed when it finished)
-        lead = dist.get_rank() == 0
+        lead = _rank() == 0
         sharded = fsdp_root is not None or is_sharded(model)
         dcp_method = self.method == "dcp" and sharded
         error: BaseException | None = None
@@ -304,7 +315,7 @@ class HFExporter:
             staged = self._worker.stage_to_host({**shards, **extras})
             shards, extras = {k: staged[k] for k in shards}, {k: staged[k] for k in extras}
         group = self.group
-        writer = self._writer_model(model, fsdp_root) if dist.get_rank() == 0 else model
+        writer = self._writer_model(model, fsdp_root) if _rank() == 0 else model
 
         def write(tmp: Path | None) -> Any:
             assert tmp is not None

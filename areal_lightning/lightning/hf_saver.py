@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from areal_lightning._fault import fault_point
@@ -21,22 +20,18 @@ from areal_lightning.collective import (
 )
 from areal_lightning.commit.atomic import clean_stale_tmp, remove_dir
 from areal_lightning.config import (
+    DEFAULT_SHARDED_METHOD,
     ConfigError,
     ExperimentConfig,
     SaverConfig,
     as_experiment,
     validate_model_name,
 )
-from areal_lightning.hf_export import (
-    DEFAULT_SHARDED_METHOD,
-    SHARDED_METHODS,
-    HFExporter,
-)
+from areal_lightning.hf_export import HFExporter, validate_method
 from areal_lightning.layout import TrialLayout
-from areal_lightning.stage import BackgroundWorker
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
-from areal_lightning.trigger.freq import EpochPosition, FreqController
-from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, prepare_tmp
+from areal_lightning.trigger import EpochPosition, FreqController, StepGate
+from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["HFSaverCallback"]
 
@@ -125,8 +120,7 @@ class HFSaverCallback(Callback):
             raise ConfigError("model_attr", f"expected an attribute name or a callable, got {model_attr!r}")
         if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
             raise ConfigError("max_shard_size", f"expected bytes (int) or a size string like '5GB', got {max_shard_size!r}")
-        if sharded_method not in SHARDED_METHODS:
-            raise ConfigError("sharded_method", f"unknown method {sharded_method!r}; allowed: {', '.join(SHARDED_METHODS)}")
+        validate_method(sharded_method, "sharded_method")
         self.collective_timeout = validate_timeout(collective_timeout)
         self.ranks = CheckpointGroup(self.collective_timeout)
         """The dedicated gloo group of this callback's collectives (shared with its exporter)."""
@@ -137,12 +131,11 @@ class HFSaverCallback(Callback):
         self.max_shard_size = max_shard_size
         self.sharded_method = sharded_method
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
+        self.gate = StepGate(self.freq)
         self.position = EpochPosition()
         self.last_export: Path | None = None
         self.resolved_mode: str | None = None
-        self._worker: BackgroundWorker | None = None
-        self._dist: HFExporter | None = None  # multi-process runs
-        self._last_seen_step = -1
+        self._exporter: HFExporter | None = None  # made at the first save, once every callback's setup ran
         self.telemetry = Telemetry()
 
     # -- construction from config ---------------------------------------------------------
@@ -224,6 +217,7 @@ class HFSaverCallback(Callback):
         self.freq.start()
 
     def _resolve_mode(self, trainer: "pl.Trainer") -> str:
+        """``auto`` is async when the run checkpoints through ``DCPCheckpointIO``, else sync."""
         mode = self.config.mode
         if mode == "auto":
             from areal_lightning.lightning.checkpoint_io import find_io
@@ -234,29 +228,20 @@ class HFSaverCallback(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Wait for the export in flight; raise its failure (never swallowed). In a
         multi-process run all ranks agree first, so a failure is raised on every rank."""
-        self._close_worker(raise_failure=True, agree=True)
+        self._close_exporter(raise_failure=True, agree=True)
         self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """Let the export in flight finish (or fail, logged) while the original error propagates."""
-        self._close_worker(raise_failure=False)
+        self._close_exporter(raise_failure=False)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._close_worker(raise_failure=True)
+        self._close_exporter(raise_failure=True)
 
-    def _close_worker(self, raise_failure: bool, agree: bool = False) -> None:
-        exporter, self._dist = self._dist, None
+    def _close_exporter(self, raise_failure: bool, agree: bool = False) -> None:
+        exporter, self._exporter = self._exporter, None
         if exporter is not None:
             exporter.close(agree=agree, raise_failure=raise_failure)
-        worker, self._worker = self._worker, None
-        if worker is None:
-            return
-        try:
-            worker.close()
-        except BaseException as err:
-            if raise_failure:
-                raise
-            log.error("HFSaverCallback(name=%r): the export in flight failed too: %s", self.name, err)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """After a resume at an epoch boundary Lightning skips ``on_train_epoch_start``."""
@@ -268,23 +253,21 @@ class HFSaverCallback(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._last_seen_step:
+        if not self.gate.new_step(trainer.global_step):
             return  # no optimizer step in this batch (gradient accumulation)
-        self._last_seen_step = trainer.global_step
-        if self._agree(trainer, self.freq.check_step(trainer.global_step)):
+        if self.gate.due(trainer.global_step, self._rank0_decides(trainer)):
             self.save(trainer, pl_module)
         self.telemetry.flush(trainer)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.freq.check_epoch(trainer.current_epoch + 1, trainer.global_step):
+        if self.gate.at_epoch_end(trainer.current_epoch + 1, trainer.global_step):
             self.save(trainer, pl_module)
         self.telemetry.flush(trainer)
 
-    def _agree(self, trainer: "pl.Trainer", decision: bool) -> bool:
-        """Seconds triggers differ per rank: take rank 0's decision (one small broadcast)."""
-        if self.freq.uses_clock and trainer.world_size > 1:
-            return bool(self.ranks.agree(None, "HF export seconds trigger", decision)[0])  # rank 0 decides
-        return decision
+    def _rank0_decides(self, trainer: "pl.Trainer") -> Callable[[bool], bool] | None:
+        if trainer.world_size == 1:
+            return None
+        return lambda decision: self.ranks.agree(None, "HF export seconds trigger", decision)[0]
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -297,61 +280,22 @@ class HFSaverCallback(Callback):
         if steps <= 0:
             return None
         self.freq.mark_fired(steps)
-        final = self.layout.export_dir(
-            self.name, trainer.current_epoch, self.position.epoch_step(steps), steps - 1
-        )
-        fsdp_root = fsdp1_root(trainer.strategy.model)  # FSDP1's state-dict hooks are collectives
-        if (trainer.world_size > 1 or fsdp_root is not None) and dist.is_available() and dist.is_initialized():
-            return self._save_distributed(trainer, pl_module, final, steps, fsdp_root)
-        if not trainer.is_global_zero:
-            return None
+        final = self.layout.export_dir(self.name, trainer.current_epoch, self.position.epoch_step(steps), steps - 1)
         start = time.perf_counter()
-        if self.resolved_mode is None:
-            self.resolved_mode = self._resolve_mode(trainer)
-            if self.resolved_mode == "async":
-                self._worker = BackgroundWorker(name=f"areal-hf-{self.name}")
-        model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
-        if self._worker is None:
-            self._write(model, tokenizer, final, None, None, start, steps)
-        else:
-            # Held only for the host copy; everything after it runs in the background.
-            staged = self._worker.stage_to_host(model.state_dict())
-            tmp = prepare_tmp(final)
-            blocked = time.perf_counter() - start
-            self._worker.submit(lambda: self._write(model, tokenizer, final, staged, tmp, start, steps, blocked),
-                                label=str(final))
-        self.last_export = final
-        return final
-
-    def _save_distributed(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", final: Path, steps: int,
-        fsdp_root: Any = None,
-    ) -> Path | None:
-        """Every rank takes part (collective); rank 0 writes and returns the folder.
-        ``fsdp_root``: the FSDP1 module wrapping the LightningModule, if any."""
-        start = time.perf_counter()
-        if self._dist is None:
+        if self._exporter is None:
             if self.resolved_mode is None:
                 self.resolved_mode = self._resolve_mode(trainer)
-            self._dist = HFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
-                                               max_shard_size=self.max_shard_size, name=self.name,
-                                               ranks=self.ranks)
-        model, tokenizer = self.resolve_model(pl_module), self.resolve_tokenizer(pl_module)
+            self._exporter = HFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
+                                        max_shard_size=self.max_shard_size, name=self.name, ranks=self.ranks)
 
         def published(path: Path, blocked: float | None) -> None:
             self._published(path, start, steps, blocked)
 
-        out = self._dist.export(model, final, tokenizer, on_published=published, fsdp_root=fsdp_root)
+        out = self._exporter.export(self.resolve_model(pl_module), final, self.resolve_tokenizer(pl_module),
+                                    on_published=published, fsdp_root=fsdp1_root(trainer.strategy.model))
         if out is not None:
             self.last_export = out
         return out
-
-    def _write(
-        self, model: Any, tokenizer: Any, final: Path, staged: dict | None, tmp: Path | None, start: float,
-        step: int, blocked: float | None = None,
-    ) -> None:
-        export_hf(model, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size, tmp_dir=tmp)
-        self._published(final, start, step, blocked)
 
     def _published(self, final: Path, start: float, step: int, blocked: float | None) -> None:
         """Rank 0, once ``final`` is in place: telemetry, ``max_keep`` pruning, stale temp cleanup."""

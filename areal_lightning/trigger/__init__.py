@@ -1,0 +1,7 @@
+"""Trigger: when to save (frequencies, step gating, the epoch position, step names)."""
+
+from areal_lightning.trigger.freq import EpochPosition, FreqController
+from areal_lightning.trigger.gate import StepGate
+from areal_lightning.trigger.step import StepInfo
+
+__all__ = ["EpochPosition", "FreqController", "StepGate", "StepInfo"]
