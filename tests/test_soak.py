@@ -28,7 +28,7 @@ class Probe(pl.Callback):
         self.samples: dict[int, tuple[float, int, int, int]] = {}
 
     def _sample(self, trainer, key: int) -> None:
-        trainer.callbacks[-1]._io.engine.wait()  # the save in flight is durable
+        trainer.callbacks[-1].wait()  # the save in flight is durable
         self.samples[key] = (rss_mib(), len(os.listdir("/proc/self/fd")), threading.active_count(), len(_children()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

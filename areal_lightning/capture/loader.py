@@ -50,9 +50,9 @@ def is_stateful_loader(loader: Any) -> bool:
 
 def _inner_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (else ``sampler``)."""
-    if isinstance(sampler, DistributedSamplerWrapper):
-        return getattr(sampler.dataset, "_sampler", sampler)
-    return sampler
+    from areal_lightning.lightning._internals import wrapped_sampler
+
+    return wrapped_sampler(sampler) if isinstance(sampler, DistributedSamplerWrapper) else sampler
 
 
 def _index_sampler(loader: Any) -> Any:

@@ -25,7 +25,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from areal_lightning._fault import fault_point
 from areal_lightning.commit.atomic import (
@@ -162,11 +162,13 @@ class RecoverStore:
         """Where the ``recover_info`` of save ``gen`` is written before the swap."""
         return self.commits(gen)[1].tmp
 
-    def target(self, gen: str, info: dict[str, dict[str, Any]]) -> "RecoverCommit":
+    def target(self, gen: str, info: dict[str, dict[str, Any]],
+               on_committed: Callable[[dict[str, dict[str, int]]], None] | None = None) -> "RecoverCommit":
         """The :class:`~areal_lightning.commit.atomic.CommitTarget` of save ``gen``
         (``DCPCheckpointIO``'s ``storage_options``): the DCP files go to
-        :meth:`tmp_ckpt_dir`, and its ``finalize`` is :meth:`commit`."""
-        return RecoverCommit(self, gen, info)
+        :meth:`tmp_ckpt_dir`, and its ``finalize`` is :meth:`commit` (then
+        ``on_committed(files)``)."""
+        return RecoverCommit(self, gen, info, on_committed)
 
     def clean_stale(self) -> None:
         """Remove leftovers of interrupted saves (call when no save is in flight)."""
@@ -337,8 +339,10 @@ class RecoverCommit:
     files are written to :attr:`tmp`; :meth:`finalize` writes ``recover_info`` and swaps
     the pair in (:meth:`RecoverStore.commit`). ``files`` holds the committed file list."""
 
-    def __init__(self, store: RecoverStore, gen: str, info: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, store: RecoverStore, gen: str, info: dict[str, dict[str, Any]],
+                 on_committed: Callable[[dict[str, dict[str, int]]], None] | None = None) -> None:
         self.store, self.gen, self.info = store, gen, info
+        self.on_committed = on_committed
         self.final = store.ckpt_dir
         self.tmp = store.tmp_ckpt_dir(gen)
         self.files: dict[str, dict[str, int]] | None = None
@@ -350,6 +354,8 @@ class RecoverCommit:
     def finalize(self) -> None:
         """Write ``recover_info`` and swap the new pair in (rank 0, after the DCP save returned)."""
         self.files = self.store.commit(self.gen, self.info)
+        if self.on_committed is not None:
+            self.on_committed(self.files)
 
     def discard(self) -> None:
         """Leave the leftovers to :meth:`RecoverStore.clean_stale` at the next save."""

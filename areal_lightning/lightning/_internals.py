@@ -18,6 +18,8 @@ Why each is needed (public Lightning has no equivalent):
 * per-rank sharded saves: ``FSDPStrategy._state_dict_type`` and
   ``ModelParallelStrategy._save_distributed_checkpoint`` (constructor-only settings).
 * continuing the interrupted run's logger version: ``logger._version`` / ``logger._experiment``.
+* the user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``dataset._sampler``),
+  whose generator holds the epoch's permutation.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ __all__ = [
     "set_save_distributed_checkpoint",
     "can_redirect_logger",
     "redirect_logger",
+    "wrapped_sampler",
 ]
 
 PRIVATE_NAMES = (
     "_checkpoint_connector", "_loaded_checkpoint", "_data_source", "_combined_loader", "_data_fetcher",
     "_checkpoint_io", "_WrappingCheckpointIO", "_state_dict_type", "_save_distributed_checkpoint",
-    "_experiment", "_version", "_restore_modules_and_callbacks", "_PATH",
+    "_experiment", "_version", "_restore_modules_and_callbacks", "_PATH", "_sampler",
 )
 """The Lightning private names used here (and nowhere else in the package)."""
 
@@ -156,3 +159,9 @@ def redirect_logger(logger: Any, version: Any) -> None:
         close()
     logger._experiment = None
     logger._version = version
+
+
+def wrapped_sampler(wrapper: Any) -> Any:
+    """The user's sampler inside a ``DistributedSamplerWrapper`` (``wrapper.dataset._sampler``),
+    else ``wrapper`` itself."""
+    return getattr(wrapper.dataset, "_sampler", wrapper)

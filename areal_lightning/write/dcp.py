@@ -85,8 +85,8 @@ import pickle
 import shutil
 import warnings
 import weakref
-from concurrent.futures import Future
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Union
 

@@ -1,0 +1,264 @@
+"""The recover checkpoint pipeline of one ``trainer.fit``, behind ``RecoverCallback``'s hooks.
+
+:class:`RecoverSession` owns what lives for one fit: the installed ``DCPCheckpointIO`` and
+strategy bridge, the trial lock, the resume wiring, the telemetry.
+
+* **setup**: install the IO and the bridge; every rank agrees the trial lock was taken and
+  the fileroot is shared; auto-resume is wired where Lightning resolves the checkpoint
+  (:mod:`areal_lightning.lightning._internals`).
+* **save** (trigger -> capture -> stage/write -> commit): wait for the previous save to be
+  durable; rank 0 cleans leftovers and names the generation, which every rank agrees on;
+  the ``recover_info`` is described (:func:`~areal_lightning.lightning.recover_state.describe`);
+  then the save goes through ``trainer.save_checkpoint`` -- Lightning's ``dump_checkpoint``
+  collects every state (the callback's own state with RNG and loader positions inside
+  :meth:`RecoverState.saving`), the strategy bridge hands it to ``DCPCheckpointIO`` with the
+  save's commit target as ``storage_options``; DCP writes every rank's shard, and after
+  DCP's save returned (in the background for async saves) rank 0 runs the commit target's
+  ``finalize``: ``recover_info`` and the swap (:mod:`areal_lightning.commit.recover_store`).
+* **resume**: the plan of :mod:`areal_lightning.lightning.resume`, loaded through Lightning's
+  own ``resume_start`` (the IO's ``load_checkpoint``), then RNG and loaders at train start.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import time
+import warnings
+from typing import Any, Callable
+
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+
+from areal_lightning.collective import check_shared_storage
+from areal_lightning.commit.recover_store import RecoverStore, TrialLock
+from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.layout import CHECKPOINT_INFO, STATS_LOGGER_INFO, STEP_INFO
+from areal_lightning.lightning._internals import (
+    Patch,
+    loaded_checkpoint,
+    train_loaders,
+    user_checkpoint_io,
+    wrap_resume_start,
+    wrap_train_dataloader,
+)
+from areal_lightning.lightning.bridge import install_bridge
+from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
+from areal_lightning.lightning.recover_state import (
+    RecoverState,
+    at_epoch_boundary,
+    describe,
+    step_info,
+)
+from areal_lightning.lightning.resume import (
+    ResumePlan,
+    agreed_plan,
+    continue_logger_versions,
+)
+from areal_lightning.telemetry import SaveReport, Telemetry
+from areal_lightning.trigger import StepInfo
+
+__all__ = ["RecoverSession"]
+
+log = logging.getLogger(__name__)
+
+_NOT_RESUMABLE_WARNING = ".*your dataloader is not resumable.*"
+
+
+def _parse_time(value: Any) -> float | None:
+    try:
+        return _dt.datetime.fromisoformat(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def install_io(trainer: Any, io_mode: str) -> DCPCheckpointIO:
+    """The trainer's ``DCPCheckpointIO``; one is installed when the user passed no CheckpointIO."""
+    io = find_io(trainer)
+    if io is not None:
+        return io
+    current = user_checkpoint_io(trainer.strategy)
+    if current is not None and type(current) is not TorchCheckpointIO:
+        raise TypeError(
+            f"RecoverCallback saves through DCPCheckpointIO, but the Trainer uses {type(current).__name__}; "
+            "pass plugins=[DCPCheckpointIO()] instead (or no CheckpointIO plugin and it is installed for you)"
+        )
+    io = DCPCheckpointIO(io_mode)
+    trainer.strategy.checkpoint_io = io
+    log.info("RecoverCallback: installed DCPCheckpointIO(mode=%r) as the Trainer's checkpoint_io", io_mode)
+    return io
+
+
+class RecoverSession:
+    """One fit's recover pipeline (see the module doc); made by ``RecoverCallback.setup``."""
+
+    def __init__(self, callback: Any, trainer: Any) -> None:
+        self.cb = callback
+        self.trainer = trainer
+        self.store: RecoverStore = callback.store
+        self.state: RecoverState = callback.state
+        self.telemetry: Telemetry = callback.telemetry
+        self.io: DCPCheckpointIO = install_io(trainer, callback.io_mode)
+        self.plan: ResumePlan | None = None
+        self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
+        self._resuming = False
+        self._held: dict[str, float] = {}
+        self._lock: TrialLock | None = None
+        self._patch = Patch()
+        self._warning_filter: tuple | None = None
+
+    @property
+    def ranks(self) -> Any:
+        """The checkpoint collectives' gloo groups (those of the IO's engine)."""
+        return self.io.engine.ranks
+
+    # -- setup / teardown ------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Install the bridge, take the trial lock, check shared storage, wire auto-resume."""
+        trainer = self.trainer
+        install_bridge(trainer.strategy, self.io)  # every rank writes its shard; loads reshard
+        self.ranks.configure(self.cb.collective_timeout)
+        error: BaseException | None = None
+        try:
+            if trainer.is_global_zero:
+                self._lock = TrialLock(self.store.layout.trial_dir)
+                self._lock.acquire()
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        self.ranks.agree(error, "RecoverCallback setup (trial lock)")
+        check_shared_storage(self.ranks, self.store.layout.trial_dir, trainer.is_global_zero)
+        wrap_resume_start(trainer, self._patch, self._resume_start)
+        wrap_train_dataloader(trainer, self._patch, self._train_dataloader)
+
+    def close(self) -> None:
+        """Undo the wiring, release the lock (idempotent)."""
+        self._patch.undo()
+        if self._warning_filter is not None and self._warning_filter in warnings.filters:
+            warnings.filters.remove(self._warning_filter)
+            getattr(warnings, "_filters_mutated", lambda: None)()  # invalidate CPython's warning caches
+        self._warning_filter = None
+        self.state.tracker.untrack()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # -- resume --------------------------------------------------------------------------
+
+    def _resume_start(self, original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        trainer = self.trainer
+
+        def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+            if checkpoint_path is not None:
+                log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
+                return original(checkpoint_path, weights_only)
+            plan = self.plan = agreed_plan(self.store, self.cb.experiment, trainer, self.ranks)
+            if plan is None:
+                return original(None, weights_only)
+            ckpt = plan.info[CHECKPOINT_INFO]
+            continue_logger_versions(trainer, plan.info[STATS_LOGGER_INFO], ckpt["global_step"])
+            self._resuming = True
+            self.last_durable = _parse_time(ckpt.get("commit_time"))
+            # The non-tensor state is unpickled with weights_only=True unless the user opted out
+            # (hyper-parameters holding arbitrary objects; see the README's security note).
+            original(str(plan.path), self.cb.weights_only)
+            loaded = loaded_checkpoint(trainer).get("global_step")
+            if loaded != ckpt["global_step"]:
+                raise CheckpointCorruptError(
+                    f"{plan.path} holds global step {loaded}, but {self.store.info_dir} describes "
+                    f"global step {ckpt['global_step']}; delete {self.store.info_dir} to start fresh")
+            step = plan.info[STEP_INFO]
+            log.info("RecoverCallback: resuming from %s after global step %d (epoch %d, step %d in epoch); "
+                     "checksums of %.1f MB verified in %.2fs", plan.path, step["global_step"], step["epoch"],
+                     step["epoch_step"], plan.verified_bytes / 1e6, plan.verify_s)
+
+        return resume_start
+
+    def _train_dataloader(self, original: Callable[[], Any]) -> Callable[[], Any]:
+        def dataloader() -> Any:
+            loaders = original()
+            counter = iter(range(1 << 30))
+            return apply_to_collection(loaders, DataLoader, lambda dl: self.state.tracker.track(dl, next(counter)))
+
+        return dataloader
+
+    def train_started(self, pl_module: Any) -> StepInfo | None:
+        """At ``on_train_start`` of a resumed run: restore the RNG, log, return where it resumed."""
+        trainer = self.trainer
+        if not self.state.restore_rng():
+            return None
+        loaders = train_loaders(trainer)
+        if loaders and all(isinstance(dl, DataLoader) for dl in loaders):
+            # Every train loader is resumed by the tracker: Lightning's mid-epoch warning that a
+            # plain DataLoader "is not resumable" does not apply to this run.
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+            self._warning_filter = warnings.filters[0]
+        if self.plan is not None and self._resuming:
+            step = StepInfo(**{k: v for k, v in self.plan.info[STEP_INFO].items() if k != "next"})
+        else:
+            now = step_info(trainer, self.state.position)
+            step = StepInfo(now.epoch, now.epoch_step, trainer.global_step - 1, now.steps_per_epoch)
+        self._resuming = False
+        log.info(
+            "RecoverCallback: resumed from %s after global step %d (epoch %d, step %d in epoch); restored model, "
+            "%d optimizer(s), %d LR scheduler(s), loop progress, RNG, dataloader position (%s), callback states",
+            trainer.ckpt_path, step.global_step, step.epoch, step.epoch_step, len(trainer.optimizers),
+            len(trainer.lr_scheduler_configs), "; ".join(self.state.tracker.replayed) or "restored by the loader itself")
+        return step
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Write a recover checkpoint of the current state (collective: every rank calls it)."""
+        trainer = self.trainer
+        steps = trainer.global_step
+        self.state.freq.mark_fired(steps)
+        start = time.perf_counter()
+        boundary = at_epoch_boundary(trainer)
+        info = describe(trainer, self.state, boundary=boundary, io_mode=self.io.resolved_mode,
+                        experiment=self.cb.experiment, user=self.store.layout.user)
+        engine = self.io.engine
+        gen: str | None = None
+        error: BaseException | None = None
+        try:
+            engine.wait()  # the previous save is durable and swapped in (or its failure raised here)
+            if trainer.is_global_zero:
+                self.store.clean_stale()
+                gen = self.store.new_generation(steps)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        # Every rank writes its shard into the same directory (one collective DCP save); rank
+        # 0 alone publishes it with recover_info once DCP returned. A failure on any rank so
+        # far stops every rank here.
+        gen = self.ranks.agree(error, f"recover checkpoint of global step {steps}", gen)[0]
+        held = self._held = {"call": 0.0}
+
+        def committed(files: dict[str, dict[str, int]]) -> None:
+            self.last_durable = time.time()
+            self.telemetry.record(SaveReport(
+                "recover", steps, str(self.store.ckpt_dir), held["call"] + held.get("staging_wait", 0.0),
+                time.perf_counter() - start, sum(f["size"] for f in files.values())))
+
+        target = self.store.target(gen, info, on_committed=committed)
+        with self.state.saving(trainer, boundary, self.ranks):
+            trainer.save_checkpoint(self.store.ckpt_dir, weights_only=False, storage_options=target)
+        held["call"] = time.perf_counter() - start
+
+    def wait_for_staging(self) -> None:
+        """Before an optimizer step: wait until an async save no longer reads the weights."""
+        if self.io.engine.in_flight is not None:
+            start = time.perf_counter()
+            self.io.engine.wait_for_staging()
+            self._held["staging_wait"] = self._held.get("staging_wait", 0.0) + time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Until the last save is durable and published; raises its failure."""
+        self.io.engine.wait()
+
+    def log_age(self, pl_module: Any) -> None:
+        """Log ``checkpoint/recover/age_s``: seconds since the last durable recover checkpoint."""
+        if self.last_durable is not None and self.trainer.loggers:
+            pl_module.log("checkpoint/recover/age_s", time.time() - self.last_durable, on_step=True,
+                          on_epoch=False, rank_zero_only=True)
+

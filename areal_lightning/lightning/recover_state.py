@@ -1,0 +1,233 @@
+"""Capture (Lightning): what a recover checkpoint holds beyond Lightning's own checkpoint.
+
+:class:`RecoverState` is ``RecoverCallback``'s callback state (``state_dict`` /
+``load_state_dict``, stored by Lightning under the callback's key): trigger progress, the
+epoch position and, for the callback's own saves only, every rank's RNG states and train
+loader position (gathered into rank 0's state: Lightning saves rank 0's callback states
+only). On load it maps the loader position to another world size and restores the RNG at
+``on_train_start``. :func:`describe` builds the ``recover_info/`` files of one save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict
+from typing import Any, Iterator
+
+import torch
+
+from areal_lightning.capture.loader import (
+    LoaderTracker,
+    is_stateful_loader,
+    remap_position,
+)
+from areal_lightning.capture.rng import capture_rng, restore_rng
+from areal_lightning.collective import CheckpointGroup
+from areal_lightning.commit.recover_store import FORMAT_VERSION
+from areal_lightning.errors import RecoverMismatchError
+from areal_lightning.layout import (
+    CHECKPOINT_INFO,
+    DATALOADER_INFO,
+    EVALUATOR_INFO,
+    SAVER_INFO,
+    STATS_LOGGER_INFO,
+    STEP_INFO,
+)
+from areal_lightning.lightning._internals import prefetched_batches, train_loaders
+from areal_lightning.lightning.resume import strategy_family
+from areal_lightning.trigger import EpochPosition, FreqController, StepInfo
+
+__all__ = ["RecoverState", "describe", "batches_done", "at_epoch_boundary", "step_info"]
+
+
+def batches_done(trainer: Any) -> int:
+    """Batches of the current epoch the fit loop processed."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def at_epoch_boundary(trainer: Any) -> bool:
+    """Whether every batch of the epoch was processed (a save at the epoch's end)."""
+    return batches_done(trainer) >= trainer.num_training_batches
+
+
+def step_info(trainer: Any, position: EpochPosition) -> StepInfo:
+    """The last completed optimizer step, 0-based (after the last epoch Lightning's epoch
+    counter has moved on: ``position`` knows the epoch of that step)."""
+    steps = trainer.global_step
+    n = trainer.num_training_batches
+    per_epoch = math.ceil(n / trainer.accumulate_grad_batches) if n != float("inf") else None
+    return StepInfo(epoch=position.epoch, epoch_step=position.epoch_step(steps), global_step=steps - 1,
+                    steps_per_epoch=per_epoch)
+
+
+class RecoverState:
+    """The callback state of ``RecoverCallback`` (see the module doc)."""
+
+    def __init__(self, freq: FreqController) -> None:
+        self.freq = freq
+        self.position = EpochPosition()
+        self.tracker = LoaderTracker()
+        self._saving: tuple[Any, bool, CheckpointGroup] | None = None  # (trainer, at boundary, ranks) of our save
+        self._pending_rng: dict[str, Any] | None = None
+        self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
+        self._boundary_rng_applied = False
+
+    # -- saving ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def saving(self, trainer: Any, boundary: bool, ranks: CheckpointGroup) -> Iterator[None]:
+        """Within: Lightning's ``dump_checkpoint`` is one of the callback's own saves, so
+        :meth:`state_dict` adds RNG and loader positions (a collective in multi-rank runs:
+        every rank is in the save)."""
+        self._saving = (trainer, boundary, ranks)
+        try:
+            yield
+        finally:
+            self._saving = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trigger progress and epoch position; in our own saves also RNG and loader position."""
+        state: dict[str, Any] = {"freq": self.freq.state_dict(), **self.position.state_dict()}
+        if self._saving is None:
+            return state
+        trainer, boundary, ranks = self._saving
+        state["rng"] = capture_rng()
+        state["data"] = self.tracker.state_dict(batches_done(trainer), boundary, prefetched_batches(trainer))
+        if not boundary:
+            # Each stateful loader's own state, as Lightning saves it (CombinedLoader._state_dicts),
+            # kept here too: Lightning drops it when configure_optimizers built the loader early (#20550).
+            for i, dl in enumerate(train_loaders(trainer)):
+                entry = state["data"]["loaders"].get(str(i))
+                if entry is not None and entry["stateful"]:
+                    entry["loader_state"] = dl.state_dict()
+        if trainer.world_size > 1:
+            # RNG and loader position differ per rank; Lightning saves rank 0's callback
+            # state only, so every rank's is gathered into it (all ranks are in the save).
+            mine = {"rng": state.pop("rng"), "data": state.pop("data")}
+            gathered = ranks.agree(None, "per-rank RNG and data position", mine)
+            state["per_rank"] = {str(rank): entry for rank, entry in enumerate(gathered)}
+        return state
+
+    def strip_loader_states(self, checkpoint: dict[str, Any]) -> None:
+        """In our own saves, drop Lightning's copy of the train loaders' states: the tracker
+        restores every train loader itself, each rank its own (Lightning keeps rank 0's loader
+        states only), and at an epoch boundary a stateful loader's state would even skip the
+        next epoch (Lightning restores it as "exhausted")."""
+        if self._saving is None:
+            return
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        if "combined_loader" in fit_state:
+            fit_state["combined_loader"] = []
+
+    # -- loading -----------------------------------------------------------------------------
+
+    @staticmethod
+    def own_rank_state(state: dict[str, Any], rank: int) -> dict[str, Any]:
+        """This rank's RNG and loader state out of a saved callback state; on another world
+        size (resharding) rank r continues from saved rank r mod W."""
+        per_rank = state.get("per_rank")
+        if per_rank is None:
+            return state
+        return {**state, **per_rank[str(rank % len(per_rank))]}
+
+    def remap_world_size(self, state: dict[str, Any], checkpoint: dict[str, Any], world_size: int, rank: int) -> None:
+        """On a different world size, map the dataloader position by samples consumed and
+        make Lightning's batch counters of the epoch agree with it (before ``load_state_dict``)."""
+        per_rank = state.get("per_rank")
+        old_world = len(per_rank) if per_rank is not None else 1
+        mine = self.own_rank_state(state, rank)
+        if old_world == world_size or "data" not in mine:
+            return
+        try:
+            data = remap_position(mine["data"], old_world, world_size)
+        except ValueError as exc:
+            raise RecoverMismatchError(f"resharding from {old_world} to {world_size} ranks: {exc}") from None
+        self._remapped = data
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {}).get("current")
+        if not data["at_boundary"] and progress:
+            done = max((int(entry["batches_done"]) for entry in data["loaders"].values()),
+                       default=progress["processed"])
+            shift = done - progress["processed"]
+            for key in ("ready", "started", "processed", "completed"):
+                progress[key] += shift
+
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        """Restore progress; a state from one of our saves also arms RNG and loader restore."""
+        self.freq.load_state_dict(state.get("freq", {}))
+        self.position.load_state_dict(state)
+        state = self.own_rank_state(state, rank)
+        if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
+            data, self._remapped = self._remapped or state["data"], None
+            self._pending_rng = state["rng"]
+            self._boundary_rng_applied = bool(data["at_boundary"])
+            self.tracker.load_state_dict(data, checkpoint_rng=state["rng"]["torch"])
+
+    def restore_rng(self) -> bool:
+        """At ``on_train_start``: set the RNG states saved with the checkpoint; ``False`` when
+        this start is not a resume from one of our checkpoints."""
+        rng, self._pending_rng = self._pending_rng, None
+        if rng is None:
+            return False
+        if self._boundary_rng_applied and self.tracker.replayed:
+            # The next epoch's iterator was created from the saved torch RNG state already.
+            rng = {**rng, "torch": torch.get_rng_state()}
+        restore_rng(rng)
+        return True
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+    import transformers
+
+    from areal_lightning import __version__
+
+    return {"torch": torch.__version__, "lightning": lightning.__version__,
+            "transformers": transformers.__version__, "areal_lightning": __version__}
+
+
+def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str | None, experiment: Any,
+             user: str) -> dict[str, dict[str, Any]]:
+    """The content of every ``recover_info/`` file of a save taken now (``checkpoint_info.json``
+    without its file list, which the commit adds)."""
+    from areal_lightning.lightning.hf_saver import HFSaverCallback
+
+    loop = trainer.fit_loop.epoch_loop
+    loaders = []
+    for i, dl in enumerate(train_loaders(trainer)):
+        cls = type(dl).__mro__[1] if type(dl).__dict__.get("_areal_resumable") else type(dl)
+        loaders.append({"index": i, "class": cls.__name__, "stateful": is_stateful_loader(dl),
+                        "num_workers": getattr(dl, "num_workers", None),
+                        "batch_size": getattr(dl, "batch_size", None),
+                        "sampler": type(getattr(dl, "sampler", None)).__name__})
+    step = step_info(trainer, state.position)
+    return {
+        STEP_INFO: {**asdict(step), "next": asdict(step.next())},
+        SAVER_INFO: {cb.state_key: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, HFSaverCallback)},
+        EVALUATOR_INFO: {
+            "val_check_interval": trainer.val_check_interval,
+            "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
+            "val_batches_completed_total": loop.val_loop.batch_progress.total.completed,
+        },
+        STATS_LOGGER_INFO: {"loggers": [
+            {"class": type(lg).__name__, "name": lg.name, "version": lg.version,
+             "save_dir": str(lg.save_dir) if lg.save_dir else None} for lg in trainer.loggers]},
+        DATALOADER_INFO: {"epoch": trainer.current_epoch, "batches_done": batches_done(trainer),
+                          "at_epoch_boundary": boundary, "loaders": loaders},
+        CHECKPOINT_INFO: {
+            "format_version": FORMAT_VERSION,
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "family": strategy_family(trainer.strategy),
+            "num_devices": trainer.num_devices,
+            "num_nodes": trainer.num_nodes,
+            "accelerator": type(trainer.accelerator).__name__,
+            "io_mode": io_mode,
+            "experiment_name": experiment.experiment_name,
+            "trial_name": experiment.trial_name,
+            "user": user,
+            "versions": _versions(),
+        },
+    }
