@@ -75,13 +75,26 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def _before_rename() -> None:
+    fault_point("commit.before_rename")
+
+
+def _old_moved() -> None:
+    fault_point("commit.publish.old_removed")
+
+
+def _in_place() -> None:
+    fault_point("commit.after_rename")
+
+
 @dataclass(frozen=True)
 class CommitPoints:
-    """The fault points (:mod:`areal_lightning._fault`) one kind of commit reports."""
+    """The fault points (:mod:`areal_lightning._fault`) one kind of commit reports, as
+    calls of ``fault_point`` with the point's name (the registry test finds them there)."""
 
-    before: str | None = "commit.before_rename"
-    old_moved: str = "commit.publish.old_removed"
-    in_place: str = "commit.after_rename"
+    before: Callable[[], None] | None = _before_rename
+    old_moved: Callable[[], None] = _old_moved
+    in_place: Callable[[], None] = _in_place
 
 
 class CommitTarget(Protocol):
@@ -155,13 +168,13 @@ class AtomicDir:
             if self.fsync:
                 fsync_tree(self.tmp)
             if self.points.before is not None:
-                fault_point(self.points.before)
+                self.points.before()
             if self.final.exists():
                 os.rename(self.final, self.old)
-                fault_point(self.points.old_moved)
+                self.points.old_moved()
             os.rename(self.tmp, self.final)
             fsync_dir(self.final.parent)
-            fault_point(self.points.in_place)
+            self.points.in_place()
         if remove_old:
             self.remove_old()
 

@@ -55,8 +55,10 @@ __all__ = ["TrialLock", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_V
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-_CKPT_POINTS = CommitPoints(None, "recover.swap.old_checkpoint_moved", "recover.swap.new_checkpoint_in_place")
-_INFO_POINTS = CommitPoints(None, "recover.swap.old_info_moved", "recover.swap.new_info_in_place")
+_CKPT_POINTS = CommitPoints(None, lambda: fault_point("recover.swap.old_checkpoint_moved"),
+                            lambda: fault_point("recover.swap.new_checkpoint_in_place"))
+_INFO_POINTS = CommitPoints(None, lambda: fault_point("recover.swap.old_info_moved"),
+                            lambda: fault_point("recover.swap.new_info_in_place"))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,0 +1,223 @@
+"""Pins every Lightning private attribute areal-lightning relies on, each in one test named
+after its accessor in ``areal_lightning/lightning/_internals.py``, against real Lightning
+objects; and checks that no other module of the package touches those names."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
+
+from areal_lightning import DCPCheckpointIO
+from areal_lightning.lightning import _internals as internals
+
+PACKAGE = Path(__file__).resolve().parents[1] / "areal_lightning"
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(n: int = 8) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 4)), batch_size=2)
+
+
+def trainer(callbacks: list, tmp_path: Path, **kwargs) -> pl.Trainer:
+    options = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    return pl.Trainer(callbacks=callbacks, **{**options, **kwargs})
+
+
+class Probe(Callback):
+    """Wires the accessors in setup, records what they return during fit."""
+
+    def __init__(self) -> None:
+        self.patch = internals.Patch()
+        self.seen: dict[str, object] = {}
+
+    def setup(self, trainer, pl_module, stage):
+        def make_resume(original):
+            def resume_start(checkpoint_path=None, weights_only=None):
+                self.seen["resume_path"] = checkpoint_path
+                original(checkpoint_path, weights_only)
+                self.seen["loaded"] = internals.loaded_checkpoint(trainer)
+            return resume_start
+
+        def make_loader(original):
+            def dataloader():
+                self.seen["loader_built"] = True
+                return original()
+            return dataloader
+
+        internals.wrap_resume_start(trainer, self.patch, make_resume)
+        internals.wrap_train_dataloader(trainer, self.patch, make_loader)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.setdefault("loaders", internals.train_loaders(trainer))
+        self.seen.setdefault("prefetched", internals.prefetched_batches(trainer))
+
+    def teardown(self, trainer, pl_module, stage):
+        self.patch.undo()
+
+
+@pytest.fixture
+def fitted(tmp_path: Path) -> tuple[Probe, pl.Trainer, DataLoader]:
+    """A fit resumed from a Lightning checkpoint, with the probe wired."""
+    first = trainer([], tmp_path)
+    first.fit(Tiny(), loader())
+    ckpt = tmp_path / "first.ckpt"
+    first.save_checkpoint(ckpt)
+    probe, data = Probe(), loader()
+    second = trainer([probe], tmp_path, max_epochs=2)
+    second.fit(Tiny(), data, ckpt_path=ckpt)
+    return probe, second, data
+
+
+def test_wrap_resume_start(fitted) -> None:
+    probe, t, _ = fitted
+    assert probe.seen["resume_path"] is not None  # called with the resolved path, after setup
+    connector = t._checkpoint_connector
+    assert "resume_start" not in connector.__dict__  # Patch.undo restored the class method
+
+
+def test_wrap_train_dataloader(fitted) -> None:
+    probe, t, _ = fitted
+    assert probe.seen["loader_built"] is True
+    assert "dataloader" not in t.fit_loop._data_source.__dict__
+
+
+def test_loaded_checkpoint(fitted) -> None:
+    probe, _, _ = fitted
+    loaded = probe.seen["loaded"]
+    assert isinstance(loaded, dict) and loaded["global_step"] == 4 and "state_dict" in loaded
+
+
+def test_train_loaders(fitted) -> None:
+    probe, _, data = fitted
+    assert probe.seen["loaders"] == [data]
+
+
+class Stream(IterableDataset):
+    """An unsized dataset: Lightning's fetcher reads one batch ahead to detect the end."""
+
+    def __iter__(self):
+        return iter([torch.randn(4) for _ in range(6)])
+
+
+def test_prefetched_batches(fitted, tmp_path: Path) -> None:
+    probe, _, _ = fitted
+    assert probe.seen["prefetched"] == 0  # a sized loader: nothing is fetched ahead
+    unsized = Probe()
+    trainer([unsized], tmp_path / "unsized").fit(Tiny(), DataLoader(Stream(), batch_size=2, collate_fn=lambda b: [torch.stack(b)]))
+    assert unsized.seen["prefetched"] == 1
+
+
+def test_user_checkpoint_io(tmp_path: Path) -> None:
+    assert internals.user_checkpoint_io(trainer([], tmp_path).strategy) is None
+    io = DCPCheckpointIO("sync")
+    assert internals.user_checkpoint_io(trainer([], tmp_path, plugins=[io]).strategy) is io
+
+
+def test_unwrap_checkpoint_io() -> None:
+    io = DCPCheckpointIO("sync")
+    assert internals.unwrap_checkpoint_io(AsyncCheckpointIO(io)) is io
+    assert internals.unwrap_checkpoint_io(io) is io
+
+
+def test_fsdp_state_dict_type() -> None:
+    strategy = FSDPStrategy(state_dict_type="full")
+    assert internals.fsdp_state_dict_type(strategy) == "full"
+
+
+def test_set_fsdp_state_dict_type() -> None:
+    strategy = FSDPStrategy(state_dict_type="full")
+    internals.set_fsdp_state_dict_type(strategy, "sharded")
+    assert internals.fsdp_state_dict_type(strategy) == "sharded"
+    assert FSDPStrategy(state_dict_type="sharded").__dict__.keys() == strategy.__dict__.keys()
+
+
+def test_saves_distributed_checkpoint() -> None:
+    assert internals.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False)) is False
+    assert internals.saves_distributed_checkpoint(ModelParallelStrategy()) is True
+
+
+def test_set_save_distributed_checkpoint() -> None:
+    strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
+    internals.set_save_distributed_checkpoint(strategy, True)
+    assert internals.saves_distributed_checkpoint(strategy) is True
+
+
+def test_can_redirect_logger(tmp_path: Path) -> None:
+    assert internals.can_redirect_logger(CSVLogger(tmp_path))
+    assert not internals.can_redirect_logger(object())
+
+
+def test_redirect_logger(tmp_path: Path) -> None:
+    logger = CSVLogger(tmp_path, name="run")
+    _ = logger.experiment  # opens version_0
+    internals.redirect_logger(logger, 3)
+    assert logger.version == 3 and Path(logger.log_dir).name == "version_3"
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.save()
+    assert (tmp_path / "run" / "version_3" / "metrics.csv").is_file()
+
+
+def test_wrapped_sampler() -> None:
+    inner = RandomSampler(range(10))
+    wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0)
+    assert internals.wrapped_sampler(wrapper) is inner
+
+
+def test_patch() -> None:
+    class Obj:
+        def method(self) -> str:
+            return "class"
+
+    obj, patch = Obj(), internals.Patch()
+    patch.set(obj, "method", lambda: "patched")
+    assert obj.method() == "patched"
+    patch.undo()
+    assert obj.method() == "class"
+
+
+def test_every_accessor_is_pinned_here() -> None:
+    here = sys.modules[__name__]
+    missing = [name for name in internals.__all__ if not callable(getattr(here, f"test_{name.lower()}", None))]
+    assert not missing, f"accessors of _internals.py without a test_<name> here: {missing}"
+
+
+def test_no_other_module_touches_lightning_private_names() -> None:
+    """Every Lightning private name the package uses appears in _internals.py only."""
+    internals_file = Path(internals.__file__).resolve()
+    patterns = {name: re.compile(rf"(\.{re.escape(name)}\b|\bimport [^\n]*\b{re.escape(name)}\b)")
+                for name in internals.PRIVATE_NAMES}
+    offenders = []
+    for source in sorted(PACKAGE.rglob("*.py")):
+        if source.resolve() == internals_file:
+            continue
+        for lineno, line in enumerate(source.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for name, pattern in patterns.items():
+                if pattern.search(code) and not re.search(rf"self\.{re.escape(name)}\b", code):
+                    offenders.append(f"{source.relative_to(PACKAGE.parent)}:{lineno}: {name}: {line.strip()}")
+    assert not offenders, "Lightning private attributes outside lightning/_internals.py:\n" + "\n".join(offenders)
+    text = internals_file.read_text()
+    assert all(name in text for name in internals.PRIVATE_NAMES)
