@@ -4,6 +4,9 @@
 - :class:`RecoverCallback` saves the full training state and resumes a restarted run exactly.
 - :class:`DCPCheckpointIO` is a Lightning ``CheckpointIO`` writing sharded
   ``torch.distributed.checkpoint`` directories, synchronously or asynchronously.
+- :class:`AreaLightningError` is the base of every error raised on purpose
+  (:class:`ConfigError`, :class:`CheckpointCorruptError`, :class:`CheckpointWriteError`,
+  :class:`RankFailure`, :class:`RecoverMismatchError`).
 - :class:`SaverConfig`, :class:`RecoverConfig`, :class:`ExperimentConfig` and
   :func:`load_config` read and validate Hydra-style YAML configs;
   :func:`callbacks_from_config` builds the enabled callbacks from one.
@@ -30,11 +33,11 @@ if not _logger.handlers and not logging.getLogger().handlers:
 _EXPORTS = {
     "HFSaverCallback": "areal_lightning.lightning",
     "RecoverCallback": "areal_lightning.lightning",
-    "StepInfo": "areal_lightning.lightning.recover",
+    "StepInfo": "areal_lightning.trigger.step",
     "callbacks_from_config": "areal_lightning.lightning",
     "DCPCheckpointIO": "areal_lightning.lightning.checkpoint_io",
     "StagingWaitCallback": "areal_lightning.lightning.checkpoint_io",
-    "ConfigError": "areal_lightning.config",
+    "ConfigError": "areal_lightning.errors",
     "ExperimentConfig": "areal_lightning.config",
     "RecoverConfig": "areal_lightning.config",
     "SaverConfig": "areal_lightning.config",
@@ -46,6 +49,8 @@ _EXPORTS = {
     "CheckpointCorruptError": "areal_lightning.errors",
     "CheckpointWriteError": "areal_lightning.errors",
     "RankFailure": "areal_lightning.errors",
+    "RecoverMismatchError": "areal_lightning.errors",
+    "AreaLightningError": "areal_lightning.errors",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -65,27 +70,17 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from areal_lightning.config import (
-        ConfigError,
-        ExperimentConfig,
-        RecoverConfig,
-        SaverConfig,
-        load_config,
-    )
+    from areal_lightning.config import ExperimentConfig, RecoverConfig, SaverConfig, load_config
     from areal_lightning.errors import (
+        AreaLightningError,
         CheckpointCorruptError,
         CheckpointWriteError,
+        ConfigError,
         RankFailure,
+        RecoverMismatchError,
     )
     from areal_lightning.layout import TrialLayout, export_name, parse_export_name
-    from areal_lightning.lightning import (
-        HFSaverCallback,
-        RecoverCallback,
-        callbacks_from_config,
-    )
-    from areal_lightning.lightning.checkpoint_io import (
-        DCPCheckpointIO,
-        StagingWaitCallback,
-    )
-    from areal_lightning.lightning.recover import StepInfo
+    from areal_lightning.lightning import HFSaverCallback, RecoverCallback, callbacks_from_config
+    from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
     from areal_lightning.trigger.freq import FreqController
+    from areal_lightning.trigger.step import StepInfo

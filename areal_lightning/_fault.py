@@ -27,19 +27,21 @@ import signal
 import threading
 import time
 
+from areal_lightning.errors import AreaLightningError
+
 ENV_VAR = "AREAL_LIGHTNING_FAULT"
 TRACE_ENV_VAR = "AREAL_LIGHTNING_FAULT_TRACE"
 
 #: Every fault point of the package, in the order a save reaches them, with where it is.
 POINTS: dict[str, str] = {
-    # DCP recover checkpoint (engine.py), also used by DCPCheckpointIO on its own
+    # DCP write (write/dcp.py): recover checkpoints and DCPCheckpointIO saves
     "engine.before_staging": "DCPEngine.save: before the state is flattened and staged",
     "engine.after_staging": "DCP writer set up on this rank (async: in the background, host copy taken)",
     "engine.after_shard_file": "after each .distcp shard file is written and fsynced (writer threads; "
                                "async: background thread)",
     "engine.before_commit": "all shard files written, before DCP's .metadata (the commit marker)",
     "engine.after_commit": ".metadata renamed into place and the folder fsynced",
-    # recover_info + swap (recover_store.py), rank 0 only
+    # recover_info + swap (commit/recover_store.py), rank 0 only, after DCP returned
     "recover.info.after_file": "after each JSON file of the new recover_info is durable (6 per save)",
     "recover.info.before_checkpoint_info": "new recover_info written except checkpoint_info.json",
     "commit.json.before_replace": "a JSON temp file is fsynced, before its rename over the final name",
@@ -48,7 +50,7 @@ POINTS: dict[str, str] = {
     "recover.swap.new_checkpoint_in_place": "new recover_checkpoint/ renamed into place",
     "recover.swap.old_info_moved": "old recover_info/ renamed aside",
     "recover.swap.new_info_in_place": "new recover_info/ renamed into place (the old pair not yet deleted)",
-    # HF export (hf.py, hf_saver.py, commit.py), rank 0 only
+    # HF export (write/hf.py, lightning/hf_saver.py, commit/atomic.py), rank 0 only
     "hf.after_weights": "safetensors + config written into the .tmp- folder",
     "hf.before_publish": "tokenizer written, before the folder is published",
     "commit.before_rename": "publish_dir: .tmp- folder fsynced, before its rename to the final name",
@@ -65,7 +67,7 @@ _hits: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(AreaLightningError, RuntimeError):
     """Raised at a fault point named in ``AREAL_LIGHTNING_FAULT`` with action ``raise``."""
 
 

@@ -1,17 +1,17 @@
-"""DCP write/read engine: staging to host, sync/async saves, template loads.
+"""Write: ``DCPEngine``, sync/async DCP saves of nested checkpoints and template loads.
 
-Plain Python over ``torch.distributed.checkpoint`` (DCP); it knows nothing of Lightning
-callbacks. Three public pieces:
+Plain Python over ``torch.distributed.checkpoint`` (DCP); it knows nothing of Lightning,
+nor of how a written directory is committed (that is :mod:`areal_lightning.commit`).
 
 ``DCPEngine(thread_count=2, collective=False)``
-    ``save(state, path, asynchronous=False)`` writes any nested checkpoint (dicts with any
-    key types, lists, tuples, tensors, other picklable leaves) as a DCP directory:
-    ``__{rank}_{i}.distcp`` data files plus ``.metadata``. Tensors are stored under their
-    dotted path (``state_dict.layer.weight``), as a plain ``dcp.save`` of the nested dict
-    would name them; every non-tensor part is stored once, as a "skeleton" object (the
-    structure with each tensor replaced by a slot naming it), which DCP pickles into one
-    byte item. This keeps integer keys (optimizer ``state`` keys), empty containers and
-    container types, which DCP's own flattening loses.
+    ``save(state, path, asynchronous=False, then=None)`` writes any nested checkpoint (dicts
+    with any key types, lists, tuples, tensors, other picklable leaves) as a DCP directory:
+    ``__{rank}_{i}.distcp`` data files plus ``.metadata``, in the format of
+    :mod:`areal_lightning.write.dcp_format`. Async saves stage through the engine's
+    :class:`~areal_lightning.stage.BackgroundWorker` (its :class:`~areal_lightning.stage.HostStager`
+    is DCP's ``async_stager``). ``then`` -- a commit target's ``finalize`` -- runs after
+    DCP's save returned: in the caller (sync) or in the background (async), never inside
+    DCP's storage writer.
     ``load(path, template=None, weights_only=None)`` rebuilds that structure exactly. Tensors
     are read into a template: the caller's tensors where ``template`` has them (same dotted
     paths, e.g. sharded tensors of a live model), else tensors allocated from the saved
@@ -19,41 +19,25 @@ callbacks. Three public pieces:
     read in offset order and each tensor read for an engine-allocated slot is adopted
     as is (DCP's stock reader copies it once more into the template).
     ``wait_for_staging()`` returns once the async host copy is done (call it before the next
-    optimizer step mutates weights); ``wait()`` returns once the save is durable;
-    ``remove(path)`` deletes a checkpoint (waiting first if it is the one being written);
-    ``close()`` waits, re-raises a pending failure and frees the staging buffers.
-
-``BackgroundWorker(name)``
-    The single-in-flight background runner shared by DCP saves and HF export:
-    ``stage_to_host(state_dict) -> dict[str, Tensor]`` (first waits for the job in flight,
-    then copies into long-lived reused host buffers: pinned + shared memory on CUDA, plain
-    host memory on CPU-only builds; the copy is real, training steps do not mutate it, and
-    it stays valid until the next ``stage_to_host`` on the same worker),
-    ``submit(fn, label=...)`` (waits for the previous job, raising its failure, then runs
-    ``fn()`` in the worker's thread), ``wait()``, ``join()`` (wait, keep any failure),
-    ``raise_if_failed()`` and ``close()``.
-
-``HostStager``
-    The host copy itself (``stage`` -> future, ``stage_to_host``, ``close``; also the
-    ``async_stager`` of ``dcp.async_save``): one long-lived ``DefaultStager``'s reused
-    buffers, filled in the stager's own thread; ``ShardedTensor`` s (FSDP1) through their
-    local shards; on CUDA ordered after the caller's stream, on the caller's device.
+    optimizer step mutates weights); ``wait()`` returns once the save is durable and its
+    ``then`` ran; ``remove(path)`` deletes a checkpoint (waiting first if it is the one being
+    written); ``close()`` waits, re-raises a pending failure and frees the staging buffers.
 
 Rules
-    At most one job in flight per worker/engine: a new save, a load, a remove of the
-    in-flight path and ``close`` first wait for it. A background failure (including DCP's
-    ``CheckpointException``, a ``BaseException``) is stored and raised once, as
-    :class:`CheckpointWriteError` naming the job's path, by the next ``save``/``submit``,
+    At most one job in flight per engine: a new save, a load, a remove of the in-flight
+    path and ``close`` first wait for it. A background failure (including DCP's
+    ``CheckpointException``, a ``BaseException``, and a failure of ``then``) is stored and
+    raised once, as :class:`CheckpointWriteError` naming the save, by the next ``save``,
     ``wait``, ``raise_if_failed`` or ``close`` -- never swallowed.
 
-Commit protocol
-    A directory is a complete checkpoint only when its ``.metadata`` file exists
-    (:data:`COMMIT_MARKER`). Before writing, an existing marker is removed (and the
-    directory fsynced), so overwriting in place never leaves an old marker over new
-    partial data. Data files are fsynced; DCP writes ``.metadata`` last via tmp file +
-    fsync + rename (``FileSystemWriter.finish`` in torch 2.13); the engine then fsyncs the
-    directory so the rename itself is durable. :meth:`DCPEngine.load` refuses a directory
-    without the marker with :class:`CheckpointCorruptError`.
+Completeness marker
+    A DCP directory is complete only when its ``.metadata`` file exists
+    (:data:`~areal_lightning.layout.COMMIT_MARKER`): DCP writes it last via tmp file + fsync
+    + rename (``FileSystemWriter.finish`` in torch 2.13) after the fsynced data files; the
+    engine then fsyncs the directory. :meth:`DCPEngine.load` refuses a directory without it
+    with :class:`CheckpointCorruptError`. The engine is given fresh ``.tmp-`` directories by
+    its callers; if it is pointed at an existing one, that one's marker is removed first,
+    so an old marker never sits over new partial data.
 
 Distributed
     With ``collective=False`` (the default; Lightning calls ``CheckpointIO`` on rank 0
