@@ -70,7 +70,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from areal_lightning.config import ExperimentConfig, RecoverConfig, SaverConfig, load_config
+    from areal_lightning.config import (
+        ExperimentConfig,
+        RecoverConfig,
+        SaverConfig,
+        load_config,
+    )
     from areal_lightning.errors import (
         AreaLightningError,
         CheckpointCorruptError,
@@ -80,7 +85,14 @@ if TYPE_CHECKING:
         RecoverMismatchError,
     )
     from areal_lightning.layout import TrialLayout, export_name, parse_export_name
-    from areal_lightning.lightning import HFSaverCallback, RecoverCallback, callbacks_from_config
-    from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
+    from areal_lightning.lightning import (
+        HFSaverCallback,
+        RecoverCallback,
+        callbacks_from_config,
+    )
+    from areal_lightning.lightning.checkpoint_io import (
+        DCPCheckpointIO,
+        StagingWaitCallback,
+    )
     from areal_lightning.trigger.freq import FreqController
     from areal_lightning.trigger.step import StepInfo

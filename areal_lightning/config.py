@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from areal_lightning.errors import ConfigError
+from areal_lightning.layout import RESERVED_NAMES
 
 __all__ = [
     "ConfigError",
@@ -55,7 +56,7 @@ def validate_model_name(value: Any, field_name: str = "name") -> str:
     folders) are reserved.
     """
     validate_name(value, field_name)
-    if value == "recover_info" or value.startswith("."):
+    if value in RESERVED_NAMES or value.startswith("."):
         raise ConfigError(field_name, f"{value!r} is reserved (recover_info and names starting with '.')")
     return value
 

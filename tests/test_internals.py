@@ -184,6 +184,7 @@ def test_wrapped_sampler() -> None:
     inner = RandomSampler(range(10))
     wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0)
     assert internals.wrapped_sampler(wrapper) is inner
+    assert internals.wrapped_sampler(inner) is inner
 
 
 def test_patch() -> None:

@@ -1,0 +1,1 @@
+"""Capture: what a checkpoint holds (RNG states, loader positions, HF weights from any strategy)."""

@@ -48,13 +48,6 @@ def is_stateful_loader(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
-def _inner_sampler(sampler: Any) -> Any:
-    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (else ``sampler``)."""
-    from areal_lightning.lightning._internals import wrapped_sampler
-
-    return wrapped_sampler(sampler) if isinstance(sampler, DistributedSamplerWrapper) else sampler
-
-
 def _index_sampler(loader: Any) -> Any:
     """The sampler that orders the samples: the batch sampler's (where Lightning injects its
     distributed sampler into a ``StatefulDataLoader``), else the loader's."""
@@ -62,10 +55,10 @@ def _index_sampler(loader: Any) -> Any:
     return inner if inner is not None else getattr(loader, "sampler", None)
 
 
-def _sampler_generator(loader: Any) -> torch.Generator | None:
+def _sampler_generator(loader: Any, unwrap: Callable[[Any], Any]) -> torch.Generator | None:
     """The ``torch.Generator`` the loader's sampler draws its permutation from, if it has one
     (torchdata's ``RandomSampler`` always has one, also inside Lightning's wrapper)."""
-    sampler = _inner_sampler(_index_sampler(loader))
+    sampler = unwrap(_index_sampler(loader))
     gen = getattr(sampler, "generator", None)
     return gen if isinstance(gen, torch.Generator) else None
 
@@ -179,9 +172,16 @@ def remap_position(state: dict[str, Any], old_world: int, new_world: int) -> dic
 
 
 class LoaderTracker:
-    """Tracks the train loaders of one run and replays their position after a resume."""
+    """Tracks the train loaders of one run and replays their position after a resume.
 
-    def __init__(self) -> None:
+    Args:
+        unwrap_sampler: returns the user's sampler inside a framework's sampler wrapper
+            (Lightning's ``DistributedSamplerWrapper``), whose generator holds the epoch's
+            permutation; identity by default.
+    """
+
+    def __init__(self, unwrap_sampler: Callable[[Any], Any] = lambda sampler: sampler) -> None:
+        self._unwrap_sampler = unwrap_sampler
         self._iters: dict[int, Any] = {}
         self._first_rng: dict[int, torch.Tensor] = {}
         self._iter_rng: dict[int, torch.Tensor] = {}
@@ -240,7 +240,7 @@ class LoaderTracker:
                 entry["first_rng"] = self._first_rng[index]
                 if index in self._iter_gen:  # the sampler's own generator, as this epoch began
                     entry["sampler_generator"] = self._iter_gen[index]
-            gen = _sampler_generator(loader)
+            gen = _sampler_generator(loader, self._unwrap_sampler)
             if at_boundary and gen is not None:
                 entry["sampler_generator"] = gen.get_state()
             sampler = _index_sampler(loader)
@@ -278,7 +278,7 @@ class LoaderTracker:
     def _iterate(self, loader: Any, index: int, make_iter: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         self._loaders[index] = loader  # the object Lightning iterates (it may have re-created it)
         pending = self._pending.pop(index, None)
-        gen = _sampler_generator(loader)
+        gen = _sampler_generator(loader, self._unwrap_sampler)
         if pending is not None:
             want_bs = pending.get("batch_size")
             if want_bs is not None and getattr(loader, "batch_size", want_bs) != want_bs:

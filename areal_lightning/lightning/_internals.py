@@ -161,7 +161,11 @@ def redirect_logger(logger: Any, version: Any) -> None:
     logger._version = version
 
 
-def wrapped_sampler(wrapper: Any) -> Any:
-    """The user's sampler inside a ``DistributedSamplerWrapper`` (``wrapper.dataset._sampler``),
-    else ``wrapper`` itself."""
-    return getattr(wrapper.dataset, "_sampler", wrapper)
+def wrapped_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper``
+    (``sampler.dataset._sampler``); any other sampler is returned as is."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    if isinstance(sampler, DistributedSamplerWrapper):
+        return getattr(sampler.dataset, "_sampler", sampler)
+    return sampler

@@ -11,14 +11,14 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from areal_lightning._fault import fault_point
 from areal_lightning.capture.hf_weights import fsdp1_root
 from areal_lightning.collective import (
     DEFAULT_TIMEOUT_S,
     CheckpointGroup,
     validate_timeout,
 )
-from areal_lightning.commit.atomic import clean_stale_tmp, remove_dir
+from areal_lightning.commit.atomic import clean_stale_tmp
+from areal_lightning.commit.retention import keep_newest
 from areal_lightning.config import (
     DEFAULT_SHARDED_METHOD,
     ConfigError,
@@ -302,16 +302,8 @@ class HFSaverCallback(Callback):
         total = time.perf_counter() - start
         self.telemetry.record(SaveReport("hf", step, str(final), total if blocked is None else blocked, total,
                                          folder_bytes(final)))
-        self._prune()
+        keep_newest(self.layout, self.name, self.config.max_keep)
         clean_stale_tmp(self.model_dir)
-
-    def _prune(self) -> None:
-        if self.config.max_keep is None:
-            return
-        exports = self.layout.list_exports(self.name)
-        for _, path in exports[: max(len(exports) - self.config.max_keep, 0)]:
-            fault_point("hf.prune")
-            remove_dir(path)
 
     # -- state -----------------------------------------------------------------------------
 

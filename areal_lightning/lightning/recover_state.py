@@ -34,7 +34,11 @@ from areal_lightning.layout import (
     STATS_LOGGER_INFO,
     STEP_INFO,
 )
-from areal_lightning.lightning._internals import prefetched_batches, train_loaders
+from areal_lightning.lightning._internals import (
+    prefetched_batches,
+    train_loaders,
+    wrapped_sampler,
+)
 from areal_lightning.lightning.resume import strategy_family
 from areal_lightning.trigger import EpochPosition, FreqController, StepInfo
 
@@ -67,7 +71,7 @@ class RecoverState:
     def __init__(self, freq: FreqController) -> None:
         self.freq = freq
         self.position = EpochPosition()
-        self.tracker = LoaderTracker()
+        self.tracker = LoaderTracker(unwrap_sampler=wrapped_sampler)
         self._saving: tuple[Any, bool, CheckpointGroup] | None = None  # (trainer, at boundary, ranks) of our save
         self._pending_rng: dict[str, Any] | None = None
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size

@@ -95,6 +95,7 @@ from areal_lightning._fault import POINTS, TRACE_ENV_VAR
 from areal_lightning.errors import AreaLightningError
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
+    HF_INDEX,
     LEFTOVER_PREFIXES,
     LOCK_FILE,
     OLD_PREFIX,
@@ -365,7 +366,7 @@ def _load_export(path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     json.loads((path / "config.json").read_text())
-    index = path / "model.safetensors.index.json"
+    index = path / HF_INDEX
     if index.is_file():
         for name in set(json.loads(index.read_text())["weight_map"].values()):
             if not (path / name).is_file():
@@ -560,7 +561,7 @@ class Certifier:
             ref.trials = [str(t.relative_to(ref.root)) for t in trials]
             ref.counts = _trace_counts(trace)
             for t in trials:
-                info = t / "recover_info" / "step_info.json"
+                info = t / RECOVER_INFO / STEP_INFO
                 ref.step_info[str(t.relative_to(ref.root))] = json.loads(info.read_text()) if info.is_file() else None
             left = [f"{rel}/{x}" for rel, t in zip(ref.trials, trials) for x in leftovers(t)]
             if left:
@@ -589,7 +590,7 @@ class Certifier:
         if problem:
             problems.append(f"losses: {problem}")
         for rel, want in ref.step_info.items():
-            info = root / rel / "recover_info" / "step_info.json"
+            info = root / rel / RECOVER_INFO / STEP_INFO
             have = json.loads(info.read_text()) if info.is_file() else None
             if have != want:
                 problems.append(f"final {rel}/recover_info/step_info.json {have} != the reference's {want}")

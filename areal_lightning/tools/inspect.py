@@ -36,10 +36,15 @@ from typing import Any, Iterable
 
 from areal_lightning.errors import AreaLightningError
 from areal_lightning.layout import (
+    CHECKPOINT_INFO,
+    COMMIT_MARKER,
+    HF_INDEX,
+    HF_WEIGHTS,
     LEFTOVER_PREFIXES,
     LOCK_FILE,
     RECOVER_CHECKPOINT,
     RECOVER_INFO,
+    STEP_INFO,
     TMP_PREFIX,
     TrialLayout,
     parse_export_name,
@@ -47,8 +52,8 @@ from areal_lightning.layout import (
 
 __all__ = ["InspectUsageError", "inspect_trial", "inspect_path", "render_reports", "run_inspect"]
 
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS = HF_WEIGHTS
+SAFETENSORS_INDEX = HF_INDEX
 _MAX_HEADER = 100 << 20  # the safetensors library refuses headers above 100 MB too
 
 
@@ -276,13 +281,13 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
         warnings.append(f"{stores[ckpt_names[0]].ckpt_dir} exists but {info_dir} does not: "
                         "it will be ignored and the next run starts fresh (recover_info/ was deleted?)")
 
-    ckpt_info = info["checkpoint_info.json"] if info else None
-    step_info = info["step_info.json"] if info else None
+    ckpt_info = info[CHECKPOINT_INFO] if info else None
+    step_info = info[STEP_INFO] if info else None
     if info is None and info_dir.is_dir():
         # recover_info/ is unusable as a whole; still check the checkpoint against whatever of
         # checkpoint_info.json / step_info.json can be read, to report every problem at once.
-        ckpt_info, _ = _load_json(info_dir / "checkpoint_info.json")
-        step_info, _ = _load_json(info_dir / "step_info.json")
+        ckpt_info, _ = _load_json(info_dir / CHECKPOINT_INFO)
+        step_info, _ = _load_json(info_dir / STEP_INFO)
         if not (isinstance(ckpt_info, dict) and isinstance(ckpt_info.get("files"), dict)):
             ckpt_info = None
         if not isinstance(step_info, dict):
@@ -290,7 +295,7 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
     if ckpt_info is not None:
         for key, want in (("experiment_name", layout.experiment_name), ("trial_name", layout.trial_name)):
             if ckpt_info.get(key) != want:
-                msg = (f"{info_dir / 'checkpoint_info.json'} was written by {key}={ckpt_info.get(key)!r} but the "
+                msg = (f"{info_dir / CHECKPOINT_INFO} was written by {key}={ckpt_info.get(key)!r} but the "
                        f"folder is {key}={want!r} (copied or renamed?): resuming will refuse it. Use the original "
                        f"names, or delete {info_dir} to start fresh.")
                 info_report["problems"].append(msg)
@@ -305,7 +310,7 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
             "world_size": None, "strategy": None, "io_mode": None, "commit_time": None,
             "age_s": None, "checksum": "unknown", "valid": False, "problems": [],
         }
-        mtime = _mtime(ckpt_dir / ".metadata") or _mtime(ckpt_dir)
+        mtime = _mtime(ckpt_dir / COMMIT_MARKER) or _mtime(ckpt_dir)
         if ckpt_info is not None and step_info is not None:
             steps_done = ckpt_info.get("global_step")
             entry.update(

@@ -1,0 +1,1 @@
+"""Write: the DCP format and engine, and the HF writers."""

@@ -26,7 +26,13 @@ import torch.distributed as dist
 from areal_lightning._fault import fault_point
 from areal_lightning.commit.atomic import publish_dir
 from areal_lightning.errors import CheckpointWriteError
-from areal_lightning.layout import tmp_sibling
+from areal_lightning.layout import (
+    HF_DCP_SHARDS,
+    HF_INDEX,
+    HF_METADATA_TMP,
+    HF_WEIGHTS,
+    tmp_sibling,
+)
 
 __all__ = ["export_hf", "finish_export", "prepare_tmp", "write_hf_dcp", "HFFilePlan", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -152,7 +158,7 @@ class HFFilePlan:
 
     def name(self, index: int) -> str:
         """Final name of file ``index`` (1-based)."""
-        return "model.safetensors" if not self.sharded else _shard_file_name(index, self.files)
+        return HF_WEIGHTS if not self.sharded else _shard_file_name(index, self.files)
 
 
 def _check_shard_coverage(sharded_dir: Path, expected: Mapping[str, torch.Tensor]) -> None:
@@ -194,7 +200,7 @@ def _save_hf_metadata(model: Any, folder: Path) -> None:
     writes them: ``save_pretrained`` with an empty state dict writes no weight file. It runs
     in a subfolder (it deletes ``model-*-of-*`` files it did not write) whose files are
     then moved up."""
-    meta = folder / ".hf-metadata"
+    meta = folder / HF_METADATA_TMP
     with _quiet_hf_progress():
         model.save_pretrained(meta, state_dict={})
     for item in meta.iterdir():
@@ -207,12 +213,12 @@ def _finish_dcp_folder(tmp: Path, plan: HFFilePlan, extras: Mapping[str, torch.T
     """Turn DCP's consolidated output into ``save_pretrained``'s layout (rank 0)."""
     from safetensors.torch import save_file
 
-    sharded = tmp / "sharded"
+    sharded = tmp / HF_DCP_SHARDS
     if plan.dcp_files:
         _check_shard_coverage(sharded, {k: v for k, v in expected.items() if k in plan.dcp_index})
         _check_consolidated(tmp, plan, expected)
     shutil.rmtree(sharded, ignore_errors=True)
-    (tmp / "model.safetensors.index.json").unlink(missing_ok=True)  # DCP's; rewritten below
+    (tmp / HF_INDEX).unlink(missing_ok=True)  # DCP's; rewritten below
     weight_map: dict[str, str] = {}
     for index in range(1, plan.dcp_files + 1):
         name = plan.name(index)
@@ -227,7 +233,7 @@ def _finish_dcp_folder(tmp: Path, plan: HFFilePlan, extras: Mapping[str, torch.T
     if plan.sharded:
         index_doc = {"metadata": {"total_parameters": total_parameters, "total_size": plan.total_size},
                      "weight_map": weight_map}
-        with open(tmp / "model.safetensors.index.json", "w", encoding="utf-8") as f:
+        with open(tmp / HF_INDEX, "w", encoding="utf-8") as f:
             f.write(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
 
 
