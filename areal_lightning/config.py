@@ -37,14 +37,18 @@ __all__ = [
 ]
 
 IO_MODES = ("auto", "sync", "async")
-"""How a save runs: ``sync`` (in the training thread), ``async`` (host copy, then a background
-write) or ``auto`` (async where this run supports it). The modes of ``HFSaverCallback``,
-``RecoverCallback(io_mode=...)`` and ``DCPCheckpointIO``."""
+"""How a save runs: ``sync`` (in the training thread) or ``async`` (host copy, then a background
+write); the modes of ``DCPCheckpointIO``, ``RecoverCallback(io_mode=...)`` and ``HFSaverCallback``.
+What ``auto`` picks: for DCP saves, async where this build can run background collectives
+(else sync, with a warning); for HF exports, async when the run checkpoints through
+``DCPCheckpointIO`` (it opted into async checkpointing), else sync. (``recover.mode: auto``
+is another setting: it means ``on``, see :data:`RECOVER_MODES`.)"""
 SAVER_MODES = IO_MODES
 SHARDED_METHODS = ("gather", "dcp")
 """How ``HFSaverCallback`` exports sharded weights (see :mod:`areal_lightning.hf_export`)."""
 DEFAULT_SHARDED_METHOD = "gather"
 RECOVER_MODES = ("on", "auto", "off", "disabled")
+"""``on`` / ``auto``: save and resume; ``off`` / ``disabled``: neither."""
 
 T = TypeVar("T")
 

@@ -36,13 +36,16 @@ def test_docstring_examples_run() -> None:
     import doctest
 
     import areal_lightning.config as config
+    import areal_lightning.commit.atomic as atomic
     import areal_lightning.layout as layout
+    import areal_lightning.trigger.gate as gate
+    import areal_lightning.trigger.step as step
     import areal_lightning.lightning as callbacks
     import areal_lightning.lightning.hf_saver as hf_saver
     import areal_lightning.lightning.recover as recover
     import areal_lightning.trigger.freq as freq
 
-    for module in (config, freq, layout, callbacks, hf_saver, recover):
+    for module in (config, freq, layout, callbacks, hf_saver, recover, atomic, gate, step):
         failed, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert failed == 0, module.__name__
         assert attempted > 0, module.__name__

@@ -295,19 +295,21 @@ class _AdoptingReader(FileSystemReader):
         return done
 
 
-def _then(upload: Future, then: Callable[[], None] | None) -> Future:
+def _then(upload: Future, then: Callable[[], None] | None, what: str) -> Future:
     """A future that completes once ``upload`` did and ``then()`` ran after it (in the
-    thread completing ``upload``: DCP's background thread), with either one's failure."""
-    if then is None:
-        return upload
+    thread completing ``upload``: DCP's background thread); a failure of either becomes a
+    :class:`CheckpointWriteError` naming the save (``what``: its path and where it was written)."""
     done: Future = Future()
 
     def chain(finished: Future) -> None:
         try:
             finished.result()
-            then()
+            if then is not None:
+                then()
         except BaseException as exc:  # noqa: BLE001 - stored in the future, raised by wait()
-            done.set_exception(exc)
+            error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
+            error.__cause__ = exc
+            done.set_exception(error)
         else:
             done.set_result(None)
 
@@ -410,6 +412,7 @@ class DCPEngine:
         in :attr:`in_flight` (default: ``path``)."""
         path = Path(path)
         label = str(label if label is not None else path)
+        what = label if label == str(path) else f"{label} (written at {path})"
         collective = self.is_collective()
         rank = dist.get_rank() if collective else 0
         error: BaseException | None = None
@@ -432,37 +435,48 @@ class DCPEngine:
         if collective:
             # No rank enters DCP's collectives unless every rank is ready: a failure here on
             # one rank is an error on all of them, not a hang.
-            self.ranks.agree(error, f"checkpoint save to {label}")
+            self.ranks.agree(error, f"checkpoint save to {what}")
         if not asynchronous:
             error = None
             try:
                 dcp.save(flat, storage_writer=writer, planner=_flat_save_planner(), **self._dist_kwargs(background=False))
             except (Exception, CheckpointException) as exc:
-                raise CheckpointWriteError(f"checkpoint save to {label} failed: {exc!r}") from exc
+                raise CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}") from exc
             try:
                 if then is not None:
                     then()
             except BaseException as exc:  # noqa: BLE001 - raised below (on every rank when collective)
-                error = CheckpointWriteError(f"checkpoint save to {label} failed: {exc!r}")
+                error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
                 error.__cause__ = exc
             if collective:
-                self.ranks.agree(error, f"checkpoint commit of {label}")
+                self.ranks.agree(error, f"checkpoint commit of {what}")
             elif error is not None:
                 raise error
             return
-        response = dcp.async_save(
-            flat,
-            storage_writer=writer,
-            planner=_flat_save_planner(),
-            async_stager=self._worker.stager,
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            **self._dist_kwargs(background=True),
-        )
+        error = None
+        try:
+            response = dcp.async_save(
+                flat,
+                storage_writer=writer,
+                planner=_flat_save_planner(),
+                async_stager=self._worker.stager,
+                async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                **self._dist_kwargs(background=True),
+            )
+        except (Exception, CheckpointException) as exc:
+            error = CheckpointWriteError(f"checkpoint save to {what} failed to start: {exc!r}")
+            error.__cause__ = exc
+        if collective:
+            # A save that failed to start on one rank fails on every rank now (the caller may
+            # next enter a collective of its own, e.g. Trainer.save_checkpoint's barrier).
+            self.ranks.agree(error, f"checkpoint save to {what} (start)")
+        elif error is not None:
+            raise error
         if isinstance(response, AsyncSaveResponse):
             upload, staged = response.upload_completion, response.staging_completion
         else:  # the stager copied synchronously
             upload, staged = response, None
-        self._worker.track(label, _then(upload, then), staged)
+        self._worker.track(label, _then(upload, then, what), staged)
         _IN_FLIGHT[str(Path(label).resolve())] = self._worker
 
     def wait_for_staging(self) -> None:
