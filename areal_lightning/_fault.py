@@ -50,13 +50,14 @@ POINTS: dict[str, str] = {
     "recover.swap.new_checkpoint_in_place": "new recover_checkpoint/ renamed into place",
     "recover.swap.old_info_moved": "old recover_info/ renamed aside",
     "recover.swap.new_info_in_place": "new recover_info/ renamed into place (the old pair not yet deleted)",
-    # HF export (write/hf.py, lightning/hf_saver.py, commit/atomic.py), rank 0 only
+    # HF export (write/hf.py, commit/retention.py) and the atomic-directory commit (commit/atomic.py), rank 0 only
     "hf.after_weights": "safetensors + config written into the .tmp- folder",
     "hf.before_publish": "tokenizer written, before the folder is published",
-    "commit.before_rename": "publish_dir: .tmp- folder fsynced, before its rename to the final name",
-    "commit.publish.old_removed": "publish_dir: an existing export of the same step was removed (re-export "
-                                  "after a resume), before the rename",
-    "commit.after_rename": "publish_dir: renamed to the final name and the parent fsynced",
+    "commit.before_rename": "AtomicDir.finalize (HF exports, DCPCheckpointIO saves): .tmp- folder durable, "
+                             "before its rename to the final name",
+    "commit.publish.old_removed": "AtomicDir.finalize: an existing folder of that name (a re-export after a "
+                                  "resume, an overwritten checkpoint) was moved aside to .old-, before the rename",
+    "commit.after_rename": "AtomicDir.finalize: renamed to the final name and the parent fsynced",
     "hf.prune": "max_keep: before an old export is deleted",
     "commit.remove_dir.begin": "remove_dir: before the folder is renamed to .trash-",
     "commit.remove_renamed": "remove_dir: renamed to .trash-, before the trash is deleted",

@@ -61,11 +61,11 @@ COMMIT_MARKER = ".metadata"
 HF_METADATA_TMP = ".hf-metadata"
 """Inside an export's temporary folder: where ``save_pretrained`` writes config files first."""
 HF_DCP_SHARDS = "sharded"
+"""Inside an export's temporary folder: the per-rank shards of a ``sharded_method="dcp"`` export."""
 HF_WEIGHTS = "model.safetensors"
 """The weights file of an unsharded HF export (``save_pretrained``'s name)."""
 HF_INDEX = "model.safetensors.index.json"
 """The index of a sharded HF export (``save_pretrained``'s name)."""
-"""Inside an export's temporary folder: the per-rank shards of a ``sharded_method="dcp"`` export."""
 
 
 @dataclass(frozen=True, order=True)

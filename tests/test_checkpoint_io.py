@@ -184,3 +184,54 @@ def test_argument_validation() -> None:
     with pytest.raises(TypeError, match="map_location"):
         io.load_checkpoint("unused", map_location=lambda storage, loc: storage)
 
+
+
+def _state(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((4,), value)}, "epoch": 0}
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_never_replaced(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    io = DCPCheckpointIO("sync")
+    with pytest.raises(FileExistsError, match=r"results: it is a folder that is not a DCP checkpoint"):
+        io.save_checkpoint(_state(1.0), folder)
+    assert (folder / "notes.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+    (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose
+    io.save_checkpoint(_state(1.0), tmp_path / "empty")
+    assert torch.equal(io.load_checkpoint(tmp_path / "empty")["state_dict"]["w"], torch.ones(4))
+
+
+def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
+    io = DCPCheckpointIO("sync")
+    io.save_checkpoint(_state(1.0), tmp_path / "ckpt")
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", "engine.before_commit")
+    with pytest.raises(CheckpointWriteError, match="InjectedFault"):
+        io.save_checkpoint(_state(2.0), tmp_path / "ckpt")
+    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert torch.equal(io.load_checkpoint(tmp_path / "ckpt")["state_dict"]["w"], torch.ones(4))
+
+
+def test_leftovers_of_an_interrupted_save_go_with_the_next_save_to_that_path(tmp_path: Path) -> None:
+    from areal_lightning.write.dcp import DCPEngine
+
+    DCPEngine().save(_state(9.0), tmp_path / ".tmp-ckpt-0123456789ab")  # a save killed before its rename
+    (tmp_path / ".tmp-ckpt-v1-0123456789ab").mkdir()  # another path's: kept
+    DCPCheckpointIO("sync").save_checkpoint(_state(1.0), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-ckpt-v1-0123456789ab", "ckpt"]
+
+
+@pytest.mark.parametrize("new_written", [True, False])
+def test_a_crash_between_the_two_renames_is_rolled_forward_at_load(tmp_path: Path, new_written: bool) -> None:
+    """The old checkpoint was moved to .old-, the new one not yet renamed into place: the
+    load finds the new one (or, when it is gone, the old one back)."""
+    from areal_lightning.write.dcp import DCPEngine
+
+    DCPEngine().save(_state(1.0), tmp_path / ".old-ckpt-0123456789ab")
+    if new_written:
+        DCPEngine().save(_state(2.0), tmp_path / ".tmp-ckpt-0123456789ab")
+    loaded = DCPCheckpointIO("sync").load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((4,), 2.0 if new_written else 1.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -187,6 +187,16 @@ def test_wrapped_sampler() -> None:
     assert internals.wrapped_sampler(inner) is inner
 
 
+def test_callback_state_key() -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Mine(Callback):
+        pass
+
+    assert internals.callback_state_key(Mine(), name="critic").endswith("Mine{'name': 'critic'}")
+    assert ModelCheckpoint().state_key.startswith("ModelCheckpoint{")  # Lightning's callbacks use the same
+
+
 def test_patch() -> None:
     class Obj:
         def method(self) -> str:
@@ -222,3 +232,46 @@ def test_no_other_module_touches_lightning_private_names() -> None:
     assert not offenders, "Lightning private attributes outside lightning/_internals.py:\n" + "\n".join(offenders)
     text = internals_file.read_text()
     assert all(name in text for name in internals.PRIVATE_NAMES)
+
+
+# Private names of other libraries the package uses, where (outside lightning/_internals.py).
+OTHER_LIBRARIES_PRIVATE = {
+    "_init_from_local_shards_and_global_metadata": "stage/host.py",  # torch ShardedTensor (FSDP1 staging)
+    "_process_group": "stage/host.py",  # torch ShardedTensor (FSDP1 staging)
+    "_getdtype": "write/hf.py",  # safetensors' dtype names (DCP HF export check)
+}
+
+
+def test_no_other_module_touches_any_private_name_of_another_library() -> None:
+    """Generic: a private attribute (``x._name``) or private import that the package does not
+    define itself belongs to Lightning (only in _internals.py) or is one of the listed others."""
+    import ast
+
+    defined: set[str] = set()
+    trees = {source: ast.parse(source.read_text()) for source in sorted(PACKAGE.rglob("*.py"))}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+    offenders = []
+    for source, tree in trees.items():
+        rel = str(source.relative_to(PACKAGE))
+        if rel == "lightning/_internals.py":
+            continue
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("areal_lightning"):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                if name.startswith("_") and not name.startswith("__") and name not in defined \
+                        and OTHER_LIBRARIES_PRIVATE.get(name) != rel:
+                    offenders.append(f"{rel}:{node.lineno}: {name}")
+    assert not offenders, "private names of other libraries outside lightning/_internals.py:\n" + "\n".join(offenders)

@@ -178,6 +178,28 @@ class AtomicDir:
         if remove_old:
             self.remove_old()
 
+    @classmethod
+    def roll_forward(cls, final: Path) -> bool:
+        """Finish a commit of ``final`` that a crash interrupted between its two renames
+        (``final`` missing, its ``.old-`` sibling present): the new folder was complete before
+        the old one was moved aside, so it is renamed into place (or, if it is gone, the old
+        one back). Returns whether anything was done. Call with no commit of ``final`` in flight."""
+        final = Path(final)
+        if final.exists() or not final.parent.is_dir():
+            return False
+        for child in sorted(final.parent.iterdir()):
+            parts = leftover_of(child.name)
+            if parts is None or parts[0] != OLD_PREFIX or parts[1] != final.name:
+                continue
+            commit = cls(final, parts[2], fsync=False)
+            if commit.tmp.is_dir():
+                commit.finalize()
+            else:
+                os.rename(commit.old, final)
+                fsync_dir(final.parent)
+            return True
+        return False
+
     def remove_old(self) -> None:
         """Delete the folder this commit replaced, if any."""
         shutil.rmtree(self.old, ignore_errors=True)

@@ -9,8 +9,9 @@ A save writes the new DCP directory and the new ``recover_info`` beside the curr
 (``.tmp-recover_checkpoint-{gen}``, ``.tmp-recover_info-{gen}``; ``checkpoint_info.json``,
 holding size and CRC32 of every file, is written last and fsynced), then swaps them in by
 four renames: two :class:`~areal_lightning.commit.atomic.AtomicDir` commits with the
-generation as their token, run after the DCP save returned. A crash at any instant leaves either the old pair, or a complete new pair
-that :meth:`RecoverStore.repair` rolls forward on the next start. The folder names
+generation as their token, run after the DCP save returned. A crash at any instant leaves
+either the old pair, or a complete new pair that :meth:`RecoverStore.repair` rolls forward
+on the next start. The folder names
 carry the generation, so the swap is never confused with another save. Disk use is one
 checkpoint plus, while a save is being written, the new one.
 """

@@ -18,6 +18,8 @@ Why each is needed (public Lightning has no equivalent):
 * per-rank sharded saves: ``FSDPStrategy._state_dict_type`` and
   ``ModelParallelStrategy._save_distributed_checkpoint`` (constructor-only settings).
 * continuing the interrupted run's logger version: ``logger._version`` / ``logger._experiment``.
+* a callback's checkpoint key from its arguments (``Callback._generate_state_key``), as
+  Lightning's own callbacks build theirs, so several instances coexist in one Trainer.
 * the user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``dataset._sampler``),
   whose generator holds the epoch's permutation.
 """
@@ -42,12 +44,13 @@ __all__ = [
     "can_redirect_logger",
     "redirect_logger",
     "wrapped_sampler",
+    "callback_state_key",
 ]
 
 PRIVATE_NAMES = (
     "_checkpoint_connector", "_loaded_checkpoint", "_data_source", "_combined_loader", "_data_fetcher",
     "_checkpoint_io", "_WrappingCheckpointIO", "_state_dict_type", "_save_distributed_checkpoint",
-    "_experiment", "_version", "_restore_modules_and_callbacks", "_PATH", "_sampler",
+    "_experiment", "_version", "_sampler", "_generate_state_key",
 )
 """The Lightning private names used here (and nowhere else in the package)."""
 
@@ -169,3 +172,9 @@ def wrapped_sampler(sampler: Any) -> Any:
     if isinstance(sampler, DistributedSamplerWrapper):
         return getattr(sampler.dataset, "_sampler", sampler)
     return sampler
+
+
+def callback_state_key(callback: Any, **kwargs: Any) -> str:
+    """The key of ``callback``'s state in a checkpoint, made from ``kwargs`` as Lightning's
+    own callbacks make theirs (``Callback._generate_state_key``)."""
+    return callback._generate_state_key(**kwargs)

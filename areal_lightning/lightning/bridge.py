@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
-from areal_lightning.commit.atomic import AtomicDir
 from areal_lightning.layout import new_token
 from areal_lightning.lightning._internals import (
     fsdp_state_dict_type,
@@ -128,21 +126,33 @@ def install_bridge(strategy: Strategy, io: Any) -> None:
         set_save_distributed_checkpoint(strategy, True)
     sharded = is_sharded(strategy)
 
-    def common_path(path: PathLike) -> str:
+    def common_path(path: PathLike, what: str, repair: bool = False) -> str:
+        """Rank 0's path, agreed by every rank; with ``repair``, rank 0 first finishes an
+        interrupted save to it (its failure is raised on every rank)."""
         if strategy.world_size == 1:
+            if repair:
+                io.repair(path)
             return str(path)
-        return str(io.engine.ranks.agree(None, "checkpoint path", str(path))[0])  # rank 0's path
+        error: BaseException | None = None
+        try:
+            if repair and strategy.is_global_zero:
+                io.repair(path)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        return str(io.engine.ranks.agree(error, what, str(path))[0])
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
         if storage_options is None and strategy.world_size > 1:
             # One atomic directory for all ranks: rank 0's path and commit token.
             path, token = io.engine.ranks.agree(None, "checkpoint path", (str(filepath), new_token()))[0]
-            storage_options = AtomicDir(Path(path), token, fsync=False)
-        io.save_checkpoint(checkpoint, filepath if storage_options is not None else common_path(filepath),
-                           storage_options=storage_options)
+            storage_options = io.target(path, token)
+        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = common_path(checkpoint_path)
+        # Every rank first waits for its own save in flight: rank 0 alone renames a finished
+        # save into place, and the agreement below lets no rank read before it did.
+        io.engine.join(checkpoint_path)
+        path = common_path(checkpoint_path, "checkpoint load", repair=True)
         if not sharded:
             return io.load_checkpoint(path, weights_only=weights_only)
         checkpoint = io.load_checkpoint(path, weights_only=weights_only, template=_sharded_template(strategy))

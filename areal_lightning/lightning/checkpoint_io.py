@@ -53,9 +53,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
-from areal_lightning.commit.atomic import AtomicDir, CommitTarget
+from areal_lightning.commit.atomic import AtomicDir, CommitTarget, clean_leftovers
 from areal_lightning.config import IO_MODES
 from areal_lightning.errors import ConfigError
+from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
 from areal_lightning.lightning.bridge import install_bridge
 from areal_lightning.write.dcp import DCPEngine
@@ -149,16 +150,32 @@ class DCPCheckpointIO(CheckpointIO):
         asynchronous = self.resolved_mode == "async"
         start = time.perf_counter()
         lead = not self._engine.is_collective() or dist.get_rank() == 0
-        self._engine.save(checkpoint, target.tmp, asynchronous=asynchronous, label=target.final,
-                          prepare=target.create, then=target.finalize if lead else None)
+        try:
+            self._engine.save(checkpoint, target.tmp, asynchronous=asynchronous, label=target.final,
+                              prepare=target.create, then=target.finalize if lead else None)
+        except BaseException:
+            if lead:
+                target.discard()  # a failed sync save (or one that failed to start) leaves nothing behind
+            raise
         if asynchronous and self._staging_waiters == 0:
             self._engine.wait_for_staging()
         log.debug("save_checkpoint(%s, %s) held the caller %.3f s", path, self.resolved_mode, time.perf_counter() - start)
 
     @staticmethod
-    def _target(path: PathLike, storage_options: Any) -> CommitTarget:
+    def target(path: PathLike, token: str | None = None) -> "CheckpointDir":
+        """The commit of a plain save to ``path`` (every rank of a collective save passes
+        rank 0's ``token``)."""
+        return CheckpointDir(Path(path), token)
+
+    def repair(self, path: PathLike) -> bool:
+        """Finish a save to ``path`` a crash interrupted between its two renames
+        (:meth:`AtomicDir.roll_forward`); returns whether anything was done."""
+        return AtomicDir.roll_forward(Path(path))
+
+    @classmethod
+    def _target(cls, path: PathLike, storage_options: Any) -> CommitTarget:
         if storage_options is None:
-            return AtomicDir(Path(path), fsync=False)  # DCP makes the files and the folder durable
+            return cls.target(path)
         if all(callable(getattr(storage_options, name, None)) for name in ("create", "finalize", "discard")) and \
                 isinstance(getattr(storage_options, "tmp", None), Path):
             return storage_options
@@ -183,6 +200,8 @@ class DCPCheckpointIO(CheckpointIO):
                 f"DCPCheckpointIO.load_checkpoint: map_location must be None, a torch.device or a device "
                 f"string, got {type(map_location).__name__}"
             )
+        if not self._engine.is_collective():  # collective loads: the bridge repairs on rank 0 first
+            self.repair(path)
         checkpoint = self._engine.load(path, template=template, weights_only=weights_only)
         if map_location is not None and torch.device(map_location).type != "cpu":
             checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))
@@ -203,6 +222,36 @@ class DCPCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait for the save in flight, free staging buffers, raise a stored failure."""
         self._engine.close()
+
+
+class CheckpointDir(AtomicDir):
+    """The :class:`~areal_lightning.commit.atomic.AtomicDir` of a ``DCPCheckpointIO`` save:
+    DCP makes the files durable itself (no extra fsync pass); a folder at the path that is
+    not a DCP checkpoint is never replaced; a successful commit removes what interrupted
+    saves to the same path left behind."""
+
+    def __init__(self, final: Path, token: str | None = None) -> None:
+        super().__init__(final, token, fsync=False)
+
+    def create(self) -> Path:
+        """Refuse a non-empty folder without a commit marker at the path, then create the temporary folder."""
+        if self.final.is_dir() and not (self.final / COMMIT_MARKER).is_file() and any(self.final.iterdir()):
+            raise FileExistsError(
+                f"cannot save a checkpoint to {self.final}: it is a folder that is not a DCP checkpoint (no "
+                f"{COMMIT_MARKER}), and saving would replace it; remove it or choose another path")
+        return super().create()
+
+    def finalize(self, *, remove_old: bool = True) -> None:
+        """Rename into place, then remove the leftovers of earlier interrupted saves to this path."""
+        super().finalize(remove_old=remove_old)
+        name = self.final.name
+
+        def interrupted(child: str) -> bool:
+            parts = leftover_of(child)
+            return (parts is not None and parts[0] in (TMP_PREFIX, OLD_PREFIX) and parts[1] == name
+                    and parts[2] != self.token)
+
+        clean_leftovers(self.final.parent, interrupted)
 
 
 def find_io(trainer: Trainer) -> DCPCheckpointIO | None:

@@ -29,6 +29,7 @@ from areal_lightning.config import (
 )
 from areal_lightning.hf_export import HFExporter, validate_method
 from areal_lightning.layout import TrialLayout
+from areal_lightning.lightning._internals import callback_state_key
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 from areal_lightning.trigger import EpochPosition, FreqController, StepGate
 from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE
@@ -174,7 +175,7 @@ class HFSaverCallback(Callback):
     @property
     def state_key(self) -> str:
         """Unique per exported model, so several savers can coexist in one Trainer."""
-        return self._generate_state_key(name=self.name)
+        return callback_state_key(self, name=self.name)
 
     @property
     def model_dir(self) -> Path:

@@ -27,6 +27,7 @@ from areal_lightning.config import (
 )
 from areal_lightning.errors import ConfigError
 from areal_lightning.layout import CHECKPOINT_INFO, TrialLayout
+from areal_lightning.lightning._internals import callback_state_key
 from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
 from areal_lightning.lightning.recover_session import RecoverSession
 from areal_lightning.lightning.recover_state import RecoverState
@@ -156,7 +157,7 @@ class RecoverCallback(Callback):
     @property
     def state_key(self) -> str:
         """Unique per recover model name."""
-        return self._generate_state_key(name=self.name)
+        return callback_state_key(self, name=self.name)
 
     @property
     def position(self) -> Any:
@@ -222,7 +223,7 @@ class RecoverCallback(Callback):
         if self.enabled and trainer.global_step > 0 and self.freq.last_fired_step != trainer.global_step:
             self.save(trainer)
         if self._session is not None:
-            self._session.wait()
+            self._session.settle()
         self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:

@@ -106,6 +106,7 @@ class RecoverSession:
         self._held: dict[str, float] = {}
         self._lock: TrialLock | None = None
         self._patch = Patch()
+        self._waiter = False
         self._warning_filter: tuple | None = None
 
     @property
@@ -119,6 +120,8 @@ class RecoverSession:
         """Install the bridge, take the trial lock, check shared storage, wire auto-resume."""
         trainer = self.trainer
         install_bridge(trainer.strategy, self.io)  # every rank writes its shard; loads reshard
+        self.io.add_staging_waiter()  # on_before_optimizer_step waits for the host copy (wait_for_staging)
+        self._waiter = True
         self.ranks.configure(self.cb.collective_timeout)
         error: BaseException | None = None
         try:
@@ -135,6 +138,9 @@ class RecoverSession:
     def close(self) -> None:
         """Undo the wiring, release the lock (idempotent)."""
         self._patch.undo()
+        if self._waiter:
+            self.io.remove_staging_waiter()
+            self._waiter = False
         if self._warning_filter is not None and self._warning_filter in warnings.filters:
             warnings.filters.remove(self._warning_filter)
             getattr(warnings, "_filters_mutated", lambda: None)()  # invalidate CPython's warning caches
@@ -253,8 +259,12 @@ class RecoverSession:
             self._held["staging_wait"] = self._held.get("staging_wait", 0.0) + time.perf_counter() - start
 
     def wait(self) -> None:
-        """Until the last save is durable and published; raises its failure."""
+        """Until the last save is durable and published; raises its failure (rank-local)."""
         self.io.engine.wait()
+
+    def settle(self) -> None:
+        """Collective :meth:`wait`: a failure on any rank (rank 0 alone publishes) is raised on every rank."""
+        self.io.engine.settle("recover checkpoint in flight at the end of training")
 
     def log_age(self, pl_module: Any) -> None:
         """Log ``checkpoint/recover/age_s``: seconds since the last durable recover checkpoint."""

@@ -328,19 +328,27 @@ def _step_of(info_dir: Path) -> int:
 def expected_resume(trial: Path) -> int | None:
     """The global step (0-based, as in ``step_info.json``) a start of ``trial`` must resume after.
 
-    Read-only: the new pair of an interrupted swap that the next start rolls forward
-    (:meth:`~areal_lightning.commit.recover_store.RecoverStore.pending_swap`), else the
-    committed ``recover_info/``, else ``None`` (a fresh start).
+    Read-only, from the documented commit protocol (deliberately not through
+    :class:`~areal_lightning.commit.recover_store.RecoverStore`, the code being certified:
+    an oracle that shares the code it checks cannot catch its bugs; it shares only the
+    names of :mod:`areal_lightning.layout`): the new pair of an interrupted swap (its complete
+    ``.tmp-recover_info-{gen}`` exists and the swap had begun: the old checkpoint or info was
+    moved aside, or the new checkpoint is no longer at its temporary name), else the
+    committed ``recover_info/`` (with its ``checkpoint_info.json``), else ``None`` (a fresh start).
     """
-    from areal_lightning.commit.recover_store import RecoverStore
-
-    names = sorted({p.parent.name for p in trial.glob("*/*") if p.name == RECOVER_CHECKPOINT
-                    or p.name.startswith((f"{TMP_PREFIX}{RECOVER_CHECKPOINT}-", f"{OLD_PREFIX}{RECOVER_CHECKPOINT}-"))})
-    for name in names or ["default"]:
-        store = RecoverStore.in_trial(trial, name)
-        gen = store.pending_swap()
-        if gen is not None:
-            return _step_of(store.tmp_info_dir(gen))
+    tmp_info, old_info = f"{TMP_PREFIX}{RECOVER_INFO}-", f"{OLD_PREFIX}{RECOVER_INFO}-"
+    tmp_ckpt, old_ckpt = f"{TMP_PREFIX}{RECOVER_CHECKPOINT}-", f"{OLD_PREFIX}{RECOVER_CHECKPOINT}-"
+    pending: list[tuple[int, int]] = []
+    for tmp in trial.glob(tmp_info + "*"):
+        gen = tmp.name[len(tmp_info):]
+        if not (tmp / CHECKPOINT_INFO).is_file():
+            continue
+        moved_aside = (trial / f"{old_info}{gen}").exists() or any(trial.glob(f"*/{old_ckpt}{gen}"))
+        in_place = not any(trial.glob(f"*/{tmp_ckpt}{gen}"))
+        if moved_aside or in_place:
+            pending.append((_step_of(tmp), int(gen.partition("-")[0])))
+    if pending:
+        return max(pending, key=lambda p: p[1])[0]
     info = trial / RECOVER_INFO
     if (info / CHECKPOINT_INFO).is_file():
         return _step_of(info)

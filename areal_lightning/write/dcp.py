@@ -67,6 +67,7 @@ import logging
 import os
 import pickle
 import shutil
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -109,9 +110,10 @@ from areal_lightning.stage.host import bind_thread_to, cuda_device
 from areal_lightning.stage.worker import BackgroundWorker
 from areal_lightning.write.dcp_format import (
     SKELETON_KEY,
-    TensorSlot,
+    SlotUnpickler,
     fill,
     flat_tensors,
+    slot_globals,
     split,
 )
 
@@ -198,7 +200,12 @@ def _flat_save_planner() -> DefaultSavePlanner:
 def _load_trusted(value: io.BytesIO) -> Any:
     """Unpickle without restrictions: only when the caller passed ``weights_only=False``
     (e.g. ``RecoverCallback(weights_only=False)`` for storage it trusts)."""
-    return torch.load(value, weights_only=False)
+    return torch.load(value, weights_only=False, pickle_module=_TRUSTED_PICKLE)
+
+
+_TRUSTED_PICKLE = types.SimpleNamespace(Unpickler=SlotUnpickler, load=pickle.load, loads=pickle.loads,
+                                        __name__="areal_lightning_trusted_pickle")
+"""``torch.load``'s ``pickle_module`` for trusted loads: finds tensor slots under old names."""
 
 
 class _TemplateLoadPlanner(DefaultLoadPlanner):
@@ -217,7 +224,7 @@ class _TemplateLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            with torch.serialization.safe_globals([TensorSlot]):
+            with torch.serialization.safe_globals(slot_globals()):
                 if self._weights_only is False:  # the caller's explicit choice (trusted storage)
                     obj = _load_trusted(value)
                 else:  # None (default) and True: weights-only, whatever torch's default is
@@ -491,6 +498,28 @@ class DCPEngine:
         """Raise a stored background failure without waiting."""
         self._worker.raise_if_failed()
 
+    def join(self, path: PathLike | None = None) -> None:
+        """Wait for the save in flight (and its ``then``), and for another engine of this
+        process still writing ``path``; keep a failure for the next raising call."""
+        self._worker.join()
+        owner = _IN_FLIGHT.get(str(Path(path).resolve())) if path is not None else None
+        if owner is not None and owner.in_flight is not None:
+            owner.join()
+
+    def settle(self, what: str) -> None:
+        """Collective when saves are: every rank waits for its save in flight, then all
+        agree that every one succeeded, so a failure on any rank (e.g. rank 0's publish of
+        an async save, which only rank 0 runs) is raised on every rank."""
+        error: BaseException | None = None
+        try:
+            self._worker.wait()
+        except CheckpointWriteError as exc:
+            error = exc
+        if self.is_collective():
+            self.ranks.agree(error, what)
+        elif error is not None:
+            raise error
+
     def load(
         self,
         path: PathLike,
@@ -504,10 +533,7 @@ class DCPEngine:
         ``template``: optional nested dict whose tensors (by dotted path) are loaded in
         place; all other tensors are allocated on CPU from the saved metadata.
         ``weights_only`` is applied to the skeleton as ``torch.load`` would."""
-        self._worker.join()
-        owner = _IN_FLIGHT.get(str(Path(path).resolve()))
-        if owner is not None and owner.in_flight is not None:
-            owner.join()  # another engine of this process is still writing it
+        self.join(path)  # also another engine of this process still writing it
         path = check_complete(path)
         try:
             metadata = FileSystemReader(path).read_metadata()

@@ -11,13 +11,14 @@ flattening loses. :func:`split` makes the flat dict, :func:`fill` rebuilds the s
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SKELETON_KEY", "TensorSlot", "split", "fill", "flat_tensors"]
+__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "SlotUnpickler", "slot_globals", "split", "fill", "flat_tensors"]
 
 SKELETON_KEY = "__areal_lightning_skeleton__"
 """The flat-dict key of the pickled skeleton (part of the on-disk format)."""
@@ -25,9 +26,30 @@ SKELETON_KEY = "__areal_lightning_skeleton__"
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Placeholder for a tensor inside the skeleton (part of the on-disk format)."""
+    """Placeholder for a tensor inside the skeleton (part of the on-disk format: pickled by
+    its module and name, see :data:`SLOT_NAMES`)."""
 
     fqn: str
+
+
+SLOT_NAMES = ("areal_lightning.write.dcp_format.TensorSlot", "areal_lightning.engine._TensorSlot")
+"""Every name :class:`TensorSlot` has been pickled under, this release's first: 0.1.0 wrote
+``areal_lightning.engine._TensorSlot``. Loads accept them all (:func:`slot_globals`,
+:class:`SlotUnpickler`); a rename of the class or its module must add the new name here."""
+
+
+def slot_globals() -> list[tuple[type, str]]:
+    """``torch.serialization.safe_globals`` entries allowing the slot under every name."""
+    return [(TensorSlot, name) for name in SLOT_NAMES]
+
+
+class SlotUnpickler(pickle.Unpickler):
+    """A plain unpickler (trusted loads) that also finds :class:`TensorSlot` under its old names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if f"{module}.{name}" in SLOT_NAMES:
+            return TensorSlot
+        return super().find_class(module, name)
 
 
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes)
