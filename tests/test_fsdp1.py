@@ -178,6 +178,22 @@ def test_a_failure_on_rank_1_only_is_an_error_on_both_ranks(tmp_path) -> None:
     assert info["global_step"] == 3
 
 
+def test_a_failure_of_rank_0s_background_publish_of_the_last_save_is_an_error_on_both_ranks(tmp_path) -> None:
+    """Async: only rank 0 publishes (recover_info + swap), in the background, after DCP's save
+    returned. When the last save's publish fails, rank 1 must not end the fit as a success:
+    the fit's end waits for the save on every rank and agrees (rank 1 raises naming rank 0)."""
+    proc = train(tmp_path, "--fault-rank", "0", "--io-mode", "async", "--timeout", "30",
+                 env={"TEST_FAULT": "recover.swap.begin@6"}, timeout=150)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = _errors(tmp_path)
+    assert errors[0].startswith("CheckpointWriteError: ") and "recover.swap.begin" in errors[0].splitlines()[0]
+    first = errors[1].splitlines()[0]
+    assert first.startswith("RankFailure: recover checkpoint in flight at the end of training failed on rank 0"), first
+    # the previous checkpoint stays the committed one
+    info = json.loads((tmp_path / TRIAL / "recover_info" / "checkpoint_info.json").read_text())
+    assert info["global_step"] == 15
+
+
 def test_a_rank_killed_mid_save_is_an_error_on_the_other(tmp_path) -> None:
     """Rank 1 dies (SIGKILL) at its 2nd recover save: gloo sees the connection drop and rank 0
     raises at the agreement (no wait for the timeout)."""
