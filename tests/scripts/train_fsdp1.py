@@ -207,9 +207,10 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the test, then a non-zero exit
         Path(args.root, f"error.rank{rank}.txt").write_text(
             f"{type(exc).__name__}: {exc}\nafter {time.monotonic() - start:.1f} s\n{traceback.format_exc()}")
-        # Lightning's launcher ends the other ranks only on KeyboardInterrupt: give them 15 s to
-        # end (and report) on their own, then end a stuck one (torchrun and SLURM would).
-        deadline = time.monotonic() + 15
+        # Lightning's launcher ends the other ranks only on KeyboardInterrupt: give them 5 s to
+        # end (and report: an agreement fails on every rank within milliseconds) on their own,
+        # then end a stuck one (torchrun and SLURM would).
+        deadline = time.monotonic() + 5
         for proc in getattr(trainer.strategy.launcher, "procs", []):
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
