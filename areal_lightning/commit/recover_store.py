@@ -44,8 +44,6 @@ from areal_lightning.layout import (
     INFO_FILES,
     LOCK_FILE,
     OLD_PREFIX,
-    RECOVER_CHECKPOINT,
-    RECOVER_INFO,
     STEP_INFO,
     TMP_PREFIX,
     TrialLayout,
@@ -134,16 +132,6 @@ class RecoverStore:
         self.layout = layout
         self.ckpt_dir = layout.recover_checkpoint_dir(name)
         self.info_dir = layout.recover_info_dir
-
-    @classmethod
-    def in_trial(cls, trial_dir: Path, name: str = "default") -> "RecoverStore":
-        """The store of model ``name`` in the trial folder ``trial_dir`` (a path that need
-        not follow ``{fileroot}/checkpoints/...``: ``inspect`` and ``certify`` use it)."""
-        store = cls.__new__(cls)
-        store.layout = None
-        store.ckpt_dir = Path(trial_dir) / name / RECOVER_CHECKPOINT
-        store.info_dir = Path(trial_dir) / RECOVER_INFO
-        return store
 
     # -- writing ---------------------------------------------------------------------------
 

@@ -256,7 +256,7 @@ class HFSaverCallback(Callback):
     ) -> None:
         if not self.gate.new_step(trainer.global_step):
             return  # no optimizer step in this batch (gradient accumulation)
-        if self.gate.due(trainer.global_step, self._rank0_decides(trainer)):
+        if self.gate.due(trainer.global_step, self.ranks, "HF export seconds trigger"):
             self.save(trainer, pl_module)
         self.telemetry.flush(trainer)
 
@@ -264,11 +264,6 @@ class HFSaverCallback(Callback):
         if self.gate.at_epoch_end(trainer.current_epoch + 1, trainer.global_step):
             self.save(trainer, pl_module)
         self.telemetry.flush(trainer)
-
-    def _rank0_decides(self, trainer: "pl.Trainer") -> Callable[[bool], bool] | None:
-        if trainer.world_size == 1:
-            return None
-        return lambda decision: self.ranks.agree(None, "HF export seconds trigger", decision)[0]
 
     # -- saving ----------------------------------------------------------------------------
 

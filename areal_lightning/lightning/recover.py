@@ -159,11 +159,6 @@ class RecoverCallback(Callback):
         """Unique per recover model name."""
         return callback_state_key(self, name=self.name)
 
-    @property
-    def position(self) -> Any:
-        """The epoch position shared with the step names (:class:`~areal_lightning.trigger.EpochPosition`)."""
-        return self.state.position
-
     # -- hooks -------------------------------------------------------------------------------
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -207,7 +202,8 @@ class RecoverCallback(Callback):
     ) -> None:
         if not self.enabled or not self.gate.new_step(trainer.global_step):
             return  # no optimizer step in this batch (gradient accumulation): nothing new to save
-        if self.gate.due(trainer.global_step, self._rank0_decides(trainer)):
+        if self.gate.due(trainer.global_step, self._session.ranks if self._session is not None else None,
+                         "seconds trigger"):
             self.save(trainer)
         self.telemetry.flush(trainer)
         if self._session is not None:
@@ -238,11 +234,6 @@ class RecoverCallback(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self._session is not None:
             self._session.close()
-
-    def _rank0_decides(self, trainer: "pl.Trainer") -> Callable[[bool], bool] | None:
-        if trainer.world_size == 1 or self._session is None:
-            return None
-        return lambda decision: self._session.ranks.agree(None, "seconds trigger", decision)[0]
 
     # -- Lightning state ---------------------------------------------------------------------
 

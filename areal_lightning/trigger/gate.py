@@ -8,15 +8,10 @@ every rank (one small broadcast, only when a seconds trigger is configured).
 
 from __future__ import annotations
 
-from typing import Callable
-
+from areal_lightning.collective import CheckpointGroup
 from areal_lightning.trigger.freq import FreqController
 
 __all__ = ["StepGate"]
-
-Agree = Callable[[bool], bool]
-"""Returns rank 0's decision to every rank (a collective)."""
-
 
 class StepGate:
     """Decides, at each batch end and epoch end, whether a :class:`FreqController` fires.
@@ -40,12 +35,12 @@ class StepGate:
         self._last_seen_step = global_step
         return True
 
-    def due(self, global_step: int, agree: Agree | None = None) -> bool:
-        """After a new optimizer step: fire? ``agree`` (multi-rank runs) makes the seconds
-        trigger's decision rank 0's on every rank."""
+    def due(self, global_step: int, ranks: CheckpointGroup | None = None, what: str = "seconds trigger") -> bool:
+        """After a new optimizer step: fire? With ``ranks``, a seconds trigger's decision is
+        rank 0's on every rank (one small broadcast; nothing on one process)."""
         decision = self.freq.check_step(global_step)
-        if self.freq.uses_clock and agree is not None:
-            decision = bool(agree(decision))
+        if self.freq.uses_clock and ranks is not None:
+            decision = bool(ranks.agree(None, what, decision)[0])
         return decision
 
     def at_epoch_end(self, epochs_done: int, global_step: int) -> bool:
