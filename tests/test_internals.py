@@ -275,3 +275,50 @@ def test_no_other_module_touches_any_private_name_of_another_library() -> None:
                         and OTHER_LIBRARIES_PRIVATE.get(name) != rel:
                     offenders.append(f"{rel}:{node.lineno}: {name}")
     assert not offenders, "private names of other libraries outside lightning/_internals.py:\n" + "\n".join(offenders)
+
+
+class ValProbe(Callback):
+    """Records, at each batch end, whether a validation follows, and which validations ran."""
+
+    def __init__(self) -> None:
+        self.patch = internals.Patch()
+        self.follows: list[tuple[int, bool]] = []
+        self.ran: list[tuple[int, bool]] = []
+
+    def setup(self, trainer, pl_module, stage):
+        def make_run(original):
+            def run():
+                self.ran.append((trainer.global_step, trainer.sanity_checking))
+                return original()
+            return run
+
+        internals.wrap_validation_run(trainer, self.patch, make_run)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.follows.append((batch_idx, internals.validation_follows(trainer)))
+
+    def teardown(self, trainer, pl_module, stage):
+        self.patch.undo()
+
+
+class TinyVal(Tiny):
+    def validation_step(self, batch, batch_idx):
+        self.log("val", self.layer(batch[0]).mean())
+
+    def val_dataloader(self):
+        return loader(4)
+
+
+def test_validation_follows(tmp_path: Path) -> None:
+    probe = ValProbe()
+    trainer([probe], tmp_path, val_check_interval=2, num_sanity_val_steps=1).fit(TinyVal(), loader(12))
+    # 6 batches, validation after batches 1, 3, 5 (the last is also the epoch-end one)
+    assert probe.follows == [(0, False), (1, True), (2, False), (3, True), (4, False), (5, True)]
+
+
+def test_wrap_validation_run(tmp_path: Path) -> None:
+    probe = ValProbe()
+    t = trainer([probe], tmp_path, val_check_interval=2, num_sanity_val_steps=1)
+    t.fit(TinyVal(), loader(12))
+    assert probe.ran == [(0, True), (2, False), (4, False), (6, False)]  # the sanity check, then every 2 steps
+    assert "run" not in t.fit_loop.epoch_loop.val_loop.__dict__

@@ -460,3 +460,53 @@ def test_resharding_maps_a_distributed_sampler_position_or_explains_why_not() ->
         remap_position(state(4, "RandomSampler"), 1, 2)
     with pytest.raises(ValueError, match="cannot be mapped"):
         remap_position(state(4, stateful=True), 2, 1)
+
+
+# -- validation overlapping the checkpoint step (issue 13) --------------------------------
+
+
+class ValNet(Net):
+    """Logs train and validation losses; the validation loader is shuffled (its iterator draws
+    from the global RNG, as a user's shuffled or augmented validation loader does)."""
+
+    def __init__(self, **hparams: Any) -> None:
+        super().__init__(**hparams)
+        self.val_losses: list[tuple[int, str]] = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.val_losses.append((self.trainer.global_step, loss.item().hex()))
+        self.log("val_loss", loss)
+
+    def val_dataloader(self):
+        return DataLoader(Data(16), batch_size=4, shuffle=True)
+
+
+@pytest.mark.parametrize("val_check_interval", [4, 0.5], ids=["int", "float"])
+def test_validation_due_at_the_checkpoint_step_runs_once_after_the_resume(tmp_path, val_check_interval) -> None:
+    """The checkpoint of step 4 (or 5: val_check_interval=0.5 of 10 batches) is taken where a
+    validation is due; the resumed run neither skips nor repeats it, and matches bit for bit."""
+    freq = 4 if isinstance(val_check_interval, int) else 5
+    kwargs: dict[str, Any] = dict(val_check_interval=val_check_interval, num_sanity_val_steps=0,
+                                  cb_kwargs={"freq_steps": freq})
+    runs = {}
+    for name, root, crash in (("ref", "ref", None), ("first", "run", freq + 2), ("second", "run", None)):
+        pl.seed_everything(0, verbose=False)
+        module = ValNet()
+        callbacks: list = [recover(tmp_path / root, **kwargs["cb_kwargs"])]
+        if crash is not None:
+            callbacks.insert(0, CrashAt(crash))
+        t = trainer(callbacks, val_check_interval=val_check_interval, num_sanity_val_steps=0)
+        if crash is None:
+            t.fit(module, plain_loader())
+        else:
+            with pytest.raises(Crash):
+                t.fit(module, plain_loader())
+        runs[name] = module
+    ref, first, second = runs["ref"], runs["first"], runs["second"]
+    assert {**first.losses, **second.losses} == ref.losses
+    assert min(second.losses) == freq + 1  # resumed right after the checkpoint's step
+    # Validations: the one of the checkpoint step ran before the crash and is not run again.
+    before = [v for v in first.val_losses if v[0] <= freq]
+    assert before + second.val_losses == ref.val_losses

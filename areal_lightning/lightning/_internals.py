@@ -22,6 +22,10 @@ Why each is needed (public Lightning has no equivalent):
   Lightning's own callbacks build theirs, so several instances coexist in one Trainer.
 * the user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``dataset._sampler``),
   whose generator holds the epoch's permutation.
+* validation-exact saves: whether the validation Lightning runs after this batch is due
+  (``epoch_loop._should_check_val_fx(fit_loop._data_fetcher)``, ``epoch_loop._skip_next_val``);
+  no hook runs between that validation and the next batch's fetch, so a save that must follow
+  the validation wraps ``epoch_loop.val_loop.run``.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ __all__ = [
     "redirect_logger",
     "wrapped_sampler",
     "callback_state_key",
+    "validation_follows",
+    "wrap_validation_run",
 ]
 
 PRIVATE_NAMES = (
     "_checkpoint_connector", "_loaded_checkpoint", "_data_source", "_combined_loader", "_data_fetcher",
     "_checkpoint_io", "_WrappingCheckpointIO", "_state_dict_type", "_save_distributed_checkpoint",
-    "_experiment", "_version", "_sampler", "_generate_state_key",
+    "_experiment", "_version", "_sampler", "_generate_state_key", "_should_check_val_fx", "_skip_next_val",
 )
 """The Lightning private names used here (and nowhere else in the package)."""
 
@@ -178,3 +184,19 @@ def callback_state_key(callback: Any, **kwargs: Any) -> str:
     """The key of ``callback``'s state in a checkpoint, made from ``kwargs`` as Lightning's
     own callbacks make theirs (``Callback._generate_state_key``)."""
     return callback._generate_state_key(**kwargs)
+
+
+def validation_follows(trainer: Any) -> bool:
+    """At ``on_train_batch_end``: whether Lightning runs a validation right after this batch
+    (``fit_loop.epoch_loop._should_check_val_fx`` on ``fit_loop._data_fetcher``, unless the
+    loop skips it after a resume: ``_skip_next_val``)."""
+    loop = trainer.fit_loop.epoch_loop
+    check = _require(loop, "_should_check_val_fx", "fit_loop.epoch_loop")
+    return not getattr(loop, "_skip_next_val", False) and bool(check(trainer.fit_loop._data_fetcher))
+
+
+def wrap_validation_run(trainer: Any, patch: Patch, make: Callable[[Callable[[], Any]], Callable[[], Any]]) -> None:
+    """Replace ``trainer.fit_loop.epoch_loop.val_loop.run()`` (every validation of the fit,
+    the sanity check included) by ``make(original)``."""
+    loop = trainer.fit_loop.epoch_loop.val_loop
+    patch.set(loop, "run", make(_require(loop, "run", "fit_loop.epoch_loop.val_loop")))

@@ -27,10 +27,10 @@ from areal_lightning.config import (
 )
 from areal_lightning.errors import ConfigError
 from areal_lightning.layout import CHECKPOINT_INFO, TrialLayout
-from areal_lightning.lightning._internals import callback_state_key
+from areal_lightning.lightning._internals import callback_state_key, validation_follows
 from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
 from areal_lightning.lightning.recover_session import RecoverSession
-from areal_lightning.lightning.recover_state import RecoverState
+from areal_lightning.lightning.recover_state import RecoverState, at_epoch_boundary
 from areal_lightning.telemetry import Telemetry
 from areal_lightning.trigger import FreqController, StepGate, StepInfo
 
@@ -136,6 +136,7 @@ class RecoverCallback(Callback):
         self.state = RecoverState(self.freq)
         self.telemetry = Telemetry()
         self.resumed_from: StepInfo | None = None
+        self._deferred: str | None = None  # a fired save waiting for the validation / epoch end after its batch
         self._session: RecoverSession | None = None
         self._trainer: "pl.Trainer | None" = None
 
@@ -204,18 +205,44 @@ class RecoverCallback(Callback):
             return  # no optimizer step in this batch (gradient accumulation): nothing new to save
         if self.gate.due(trainer.global_step, self._session.ranks if self._session is not None else None,
                          "seconds trigger"):
-            self.save(trainer)
+            self._save_after_batch(trainer)
         self.telemetry.flush(trainer)
         if self._session is not None:
             self._session.log_age(pl_module)
 
+    def _save_after_batch(self, trainer: "pl.Trainer") -> None:
+        """A trigger fired at this batch's end. What Lightning runs before the next batch
+        belongs to this step: the validation due after it, and after the last batch the epoch's
+        end. A checkpoint taken before them would make the resumed run skip that validation
+        (Lightning counts it as done) and draw another RNG stream, so the save waits for them
+        (:meth:`_after_validation`, :meth:`on_train_epoch_end`)."""
+        if at_epoch_boundary(trainer):
+            self._deferred = "epoch end"
+        elif validation_follows(trainer):
+            self._deferred = "validation"
+        else:
+            self.save(trainer)
+
+    def _after_validation(self, trainer: "pl.Trainer") -> None:
+        """Lightning's validation after a batch returned (it may have had nothing to run)."""
+        if self._deferred == "validation" and not trainer.sanity_checking:
+            self._deferred = None
+            self.save(trainer)
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.enabled and not trainer.sanity_checking:
+            self.state.evaluator.validated(trainer)
+
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.enabled and self.gate.at_epoch_end(trainer.current_epoch + 1, trainer.global_step):
+        deferred, self._deferred = self._deferred, None
+        if self.enabled and (self.gate.at_epoch_end(trainer.current_epoch + 1, trainer.global_step)
+                             or deferred is not None):
             self.save(trainer)
         self.telemetry.flush(trainer)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A run that finished keeps a checkpoint of its end, so re-running it does nothing."""
+        self._deferred = None
         if self.enabled and trainer.global_step > 0 and self.freq.last_fired_step != trainer.global_step:
             self.save(trainer)
         if self._session is not None:

@@ -42,6 +42,7 @@ from areal_lightning.lightning._internals import (
     user_checkpoint_io,
     wrap_resume_start,
     wrap_train_dataloader,
+    wrap_validation_run,
 )
 from areal_lightning.lightning.bridge import install_bridge
 from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
@@ -134,6 +135,7 @@ class RecoverSession:
         check_shared_storage(self.ranks, self.store.layout.trial_dir, trainer.is_global_zero)
         wrap_resume_start(trainer, self._patch, self._resume_start)
         wrap_train_dataloader(trainer, self._patch, self._train_dataloader)
+        wrap_validation_run(trainer, self._patch, self._validation_run)
 
     def close(self) -> None:
         """Undo the wiring, release the lock (idempotent)."""
@@ -180,6 +182,14 @@ class RecoverSession:
                      step["epoch_step"], plan.verified_bytes / 1e6, plan.verify_s)
 
         return resume_start
+
+    def _validation_run(self, original: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            result = original()
+            self.cb._after_validation(self.trainer)  # a save due at the batch before it goes here
+            return result
+
+        return run
 
     def _train_dataloader(self, original: Callable[[], Any]) -> Callable[[], Any]:
         def dataloader() -> Any:

@@ -42,7 +42,7 @@ from areal_lightning.lightning._internals import (
 from areal_lightning.lightning.resume import strategy_family
 from areal_lightning.trigger import EpochPosition, FreqController, StepInfo
 
-__all__ = ["RecoverState", "describe", "batches_done", "at_epoch_boundary", "step_info"]
+__all__ = ["RecoverState", "EvaluatorPosition", "evaluator_info", "describe", "batches_done", "at_epoch_boundary", "step_info"]
 
 
 def batches_done(trainer: Any) -> int:
@@ -72,6 +72,7 @@ class RecoverState:
         self.freq = freq
         self.position = EpochPosition()
         self.tracker = LoaderTracker(unwrap_sampler=wrapped_sampler)
+        self.evaluator = EvaluatorPosition()
         self._saving: tuple[Any, bool, CheckpointGroup] | None = None  # (trainer, at boundary, ranks) of our save
         self._pending_rng: dict[str, Any] | None = None
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
@@ -92,7 +93,8 @@ class RecoverState:
 
     def state_dict(self) -> dict[str, Any]:
         """Trigger progress and epoch position; in our own saves also RNG and loader position."""
-        state: dict[str, Any] = {"freq": self.freq.state_dict(), **self.position.state_dict()}
+        state: dict[str, Any] = {"freq": self.freq.state_dict(), **self.position.state_dict(),
+                                 "evaluator": self.evaluator.state_dict()}
         if self._saving is None:
             return state
         trainer, boundary, ranks = self._saving
@@ -160,6 +162,7 @@ class RecoverState:
         """Restore progress; a state from one of our saves also arms RNG and loader restore."""
         self.freq.load_state_dict(state.get("freq", {}))
         self.position.load_state_dict(state)
+        self.evaluator.load_state_dict(state.get("evaluator", {}))
         state = self.own_rank_state(state, rank)
         if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
             data, self._remapped = self._remapped or state["data"], None
@@ -180,6 +183,52 @@ class RecoverState:
         return True
 
 
+class EvaluatorPosition:
+    """Where the run is in its validation schedule: the validations completed during fit
+    (the sanity check not counted) and the step of the last one (``evaluator_info.json``)."""
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.last_global_step: int | None = None
+        self.last_epoch: int | None = None
+
+    def validated(self, trainer: Any) -> None:
+        """At the end of a validation during fit (not the sanity check)."""
+        self.completed += 1
+        self.last_global_step = trainer.global_step
+        self.last_epoch = trainer.current_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-friendly position."""
+        return {"completed": self.completed, "last_global_step": self.last_global_step,
+                "last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (an empty dict: no validation yet)."""
+        self.completed = int(state.get("completed", 0))
+        self.last_global_step = state.get("last_global_step")
+        self.last_epoch = state.get("last_epoch")
+
+
+def evaluator_info(trainer: Any, evaluator: EvaluatorPosition) -> dict[str, Any]:
+    """``evaluator_info.json``: the validation schedule and the run's position in it. A save
+    is never taken between a batch and the validation due after it, so ``validated_at_this_step``
+    tells whether that validation belongs to the checkpoint (it is then not run again)."""
+    loop = trainer.fit_loop.epoch_loop
+    return {
+        "val_check_interval": trainer.val_check_interval,
+        "val_check_batch": trainer.val_check_batch,
+        "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
+        "limit_val_batches": trainer.limit_val_batches,
+        "num_sanity_val_steps": trainer.num_sanity_val_steps,
+        "validations_completed": evaluator.completed,
+        "last_validation_global_step": evaluator.last_global_step,
+        "last_validation_epoch": evaluator.last_epoch,
+        "validated_at_this_step": evaluator.last_global_step == trainer.global_step,
+        "val_batches_completed_total": loop.val_loop.batch_progress.total.completed,
+    }
+
+
 def _versions() -> dict[str, str]:
     import lightning
     import transformers
@@ -196,7 +245,6 @@ def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str 
     without its file list, which the commit adds)."""
     from areal_lightning.lightning.hf_saver import HFSaverCallback
 
-    loop = trainer.fit_loop.epoch_loop
     loaders = []
     for i, dl in enumerate(train_loaders(trainer)):
         cls = type(dl).__mro__[1] if type(dl).__dict__.get("_areal_resumable") else type(dl)
@@ -208,11 +256,7 @@ def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str 
     return {
         STEP_INFO: {**asdict(step), "next": asdict(step.next())},
         SAVER_INFO: {cb.state_key: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, HFSaverCallback)},
-        EVALUATOR_INFO: {
-            "val_check_interval": trainer.val_check_interval,
-            "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
-            "val_batches_completed_total": loop.val_loop.batch_progress.total.completed,
-        },
+        EVALUATOR_INFO: evaluator_info(trainer, state.evaluator),
         STATS_LOGGER_INFO: {"loggers": [
             {"class": type(lg).__name__, "name": lg.name, "version": lg.version,
              "save_dir": str(lg.save_dir) if lg.save_dir else None} for lg in trainer.loggers]},
