@@ -54,8 +54,8 @@ def test_demo_config_validates() -> None:
     cfg = load_config(CONFIGS / "demo.yaml", schema=DemoConfig)
     assert isinstance(cfg, DemoConfig) and cfg.train.max_epochs > 0
     cbs = callbacks_from_config(CONFIGS / "demo.yaml", strict=False)
-    assert [type(c) for c in cbs] == [HFSaverCallback]
-    assert cbs[0].config == cfg.saver
+    assert [type(c) for c in cbs] == [HFSaverCallback, RecoverCallback]
+    assert cbs[0].config == cfg.saver and cbs[1].config == cfg.recover
 
 
 @pytest.mark.parametrize("path", PLAIN, ids=lambda p: p.name)
