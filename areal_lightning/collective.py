@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from areal_lightning.config import ConfigError
@@ -126,6 +127,19 @@ class CheckpointGroup:
             rank, msg = failed[0]
             raise RankFailure(f"{what} failed on rank {rank}: {msg}")
         return [value for _, value in reports]
+
+    def any(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` is set on any rank (one all-reduce of one integer on the gloo group;
+        without an active multi-rank process group: ``flag``)."""
+        if not self.active():
+            return flag
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as exc:  # a rank died or hangs: gloo's timeout
+            raise RankFailure(f"{what}: not every rank arrived within collective_timeout={self.timeout:g}s "
+                              f"(another rank failed, was killed or hangs): {exc}") from exc
+        return bool(value.item())
 
     def close(self) -> None:
         """Forget the groups (they are destroyed with the default process group)."""

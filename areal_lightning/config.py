@@ -149,6 +149,9 @@ class RecoverConfig:
         freq_steps: checkpoint after every N-th optimizer step.
         freq_secs: checkpoint when N seconds have passed since the last one.
         retries: how many times ``areal-lightning run`` re-runs a failed command (>= 0).
+        preempt_signals: signals on which the run checkpoints its current step and stops
+            (default ``[SIGTERM]``; ``[]``: none).
+        fast_forward: how a mid-epoch resume passes the trained batches: ``sampler`` or ``replay``.
 
     Example:
         >>> RecoverConfig(mode=True, freq_steps=100).validate().mode  # YAML `on`
@@ -160,6 +163,8 @@ class RecoverConfig:
     freq_steps: int | None = None
     freq_secs: int | None = None
     retries: int = 3
+    preempt_signals: list = field(default_factory=lambda: ["SIGTERM"])
+    fast_forward: str = "sampler"
 
     def validate(self, prefix: str = "recover") -> "RecoverConfig":
         """Check every field; normalise ``mode``. Returns ``self``."""
@@ -169,6 +174,11 @@ class RecoverConfig:
         r = self.retries
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ConfigError(f"{prefix}.retries", f"expected an integer >= 0, got {r!r}")
+        from areal_lightning.capture.loader import FAST_FORWARD_MODES
+        from areal_lightning.trigger.preempt import parse_signals
+
+        self.preempt_signals = [s.name for s in parse_signals(self.preempt_signals, f"{prefix}.preempt_signals")]
+        self.fast_forward = _mode(self.fast_forward, f"{prefix}.fast_forward", FAST_FORWARD_MODES)
         return self
 
     @property

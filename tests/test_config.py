@@ -119,7 +119,8 @@ def test_defaults_follow_the_spec() -> None:
     assert dataclasses.asdict(SaverConfig()) == {
         "mode": "auto", "freq_epochs": None, "freq_steps": None, "freq_secs": None, "max_keep": None}
     assert dataclasses.asdict(RecoverConfig()) == {
-        "mode": "disabled", "freq_epochs": None, "freq_steps": None, "freq_secs": None, "retries": 3}
+        "mode": "disabled", "freq_epochs": None, "freq_steps": None, "freq_secs": None, "retries": 3,
+        "preempt_signals": ["SIGTERM"], "fast_forward": "sampler"}
     cfg = load_config(BASE)
     assert cfg.user is None and cfg.resolved_user  # the OS user
     assert load_config({**BASE, "user": "alice"}).resolved_user == "alice"
@@ -170,3 +171,13 @@ def test_strict_false_ignores_unknown_top_level_keys_only() -> None:
 def test_callbacks_from_config_lists_enabled_callbacks() -> None:
     assert callbacks_from_config(BASE) == []
     assert len(callbacks_from_config({**BASE, "saver": {"freq_epochs": 1}})) == 1
+
+
+def test_recover_preemption_and_fast_forward_keys_are_validated() -> None:
+    cfg = load_config({**BASE, "recover": {"mode": "on", "preempt_signals": ["term", "SIGUSR1"],
+                                           "fast_forward": "replay"}})
+    assert cfg.recover.preempt_signals == ["SIGTERM", "SIGUSR1"] and cfg.recover.fast_forward == "replay"
+    with pytest.raises(ConfigError, match=r"recover\.preempt_signals: unknown signal 'SIGBOGUS'"):
+        load_config({**BASE, "recover": {"preempt_signals": ["SIGBOGUS"]}})
+    with pytest.raises(ConfigError, match=r"recover\.fast_forward: unknown mode 'skip'; allowed: sampler, replay"):
+        load_config({**BASE, "recover": {"fast_forward": "skip"}})

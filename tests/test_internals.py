@@ -322,3 +322,61 @@ def test_wrap_validation_run(tmp_path: Path) -> None:
     t.fit(TinyVal(), loader(12))
     assert probe.ran == [(0, True), (2, False), (4, False), (6, False)]  # the sanity check, then every 2 steps
     assert "run" not in t.fit_loop.epoch_loop.val_loop.__dict__
+
+
+def test_cluster_environment(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    env = LightningEnvironment()
+    t = trainer([], tmp_path, plugins=[env])
+    assert not hasattr(t.strategy, "cluster_environment")  # single device: no public accessor
+    assert internals.cluster_environment(t) is env
+
+
+class EpochLogged(Tiny):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("m", loss, on_step=False, on_epoch=True)
+        self.log("top", loss, on_step=False, on_epoch=True, reduce_fx="max")
+        self.log("s", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+class EpochProbe(Callback):
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(internals.train_epoch_metrics(trainer))
+
+
+def test_train_epoch_metrics(tmp_path: Path) -> None:
+    probe = EpochProbe()
+    trainer([probe], tmp_path).fit(EpochLogged(), loader(8))
+    first, last = probe.seen[0], probe.seen[-1]
+    assert set(last) == {"training_step.m", "training_step.top"}  # on_step-only values have no aggregate
+    assert int(last["training_step.m"]["cumulated_batch_size"]) == 8  # 4 batches of 2
+    assert int(first["training_step.m"]["cumulated_batch_size"]) == 2
+    assert "cumulated_batch_size" not in last["training_step.top"]
+
+
+def test_continue_train_epoch_metrics(tmp_path: Path) -> None:
+    probe = EpochProbe()
+    trainer([probe], tmp_path).fit(EpochLogged(), loader(8))
+    saved = {k: {n: t.clone() for n, t in v.items()} for k, v in probe.seen[1].items()}  # after 2 batches
+    top = float(saved["training_step.top"]["value"])
+
+    class Fold(Callback):
+        def __init__(self) -> None:
+            self.pending, self.after = saved, None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                internals.continue_train_epoch_metrics(trainer, self.pending)
+                self.after = internals.train_epoch_metrics(trainer)
+
+    fold = Fold()
+    trainer([fold], tmp_path / "b").fit(EpochLogged(), loader(8))
+    assert fold.pending == {}  # every saved key was folded in
+    assert int(fold.after["training_step.m"]["cumulated_batch_size"]) == 4 + 2  # saved after 2 batches, + 1
+    assert float(fold.after["training_step.top"]["value"]) >= top

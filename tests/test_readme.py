@@ -35,17 +35,18 @@ def test_docstring_examples_run() -> None:
     """The examples in the public docstrings are doctests."""
     import doctest
 
-    import areal_lightning.config as config
     import areal_lightning.commit.atomic as atomic
+    import areal_lightning.config as config
     import areal_lightning.layout as layout
-    import areal_lightning.trigger.gate as gate
-    import areal_lightning.trigger.step as step
     import areal_lightning.lightning as callbacks
     import areal_lightning.lightning.hf_saver as hf_saver
     import areal_lightning.lightning.recover as recover
     import areal_lightning.trigger.freq as freq
+    import areal_lightning.trigger.gate as gate
+    import areal_lightning.trigger.preempt as preempt
+    import areal_lightning.trigger.step as step
 
-    for module in (config, freq, layout, callbacks, hf_saver, recover, atomic, gate, step):
+    for module in (config, freq, layout, callbacks, hf_saver, recover, atomic, gate, step, preempt):
         failed, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert failed == 0, module.__name__
         assert attempted > 0, module.__name__

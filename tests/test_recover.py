@@ -510,3 +510,225 @@ def test_validation_due_at_the_checkpoint_step_runs_once_after_the_resume(tmp_pa
     # Validations: the one of the checkpoint step ran before the crash and is not run again.
     before = [v for v in first.val_losses if v[0] <= freq]
     assert before + second.val_losses == ref.val_losses
+
+
+# -- fast-forward (issue 13) --------------------------------------------------------------
+
+
+class CountingData(Data):
+    """Appends every fetched index to a file (worker processes too); noise drawn from the
+    torch RNG in ``__getitem__`` (augmentation)."""
+
+    def __init__(self, log: Path, augment: bool = False) -> None:
+        super().__init__()
+        self.log, self.augment = log, augment
+
+    def __getitem__(self, i: int):
+        with open(self.log, "a") as f:
+            f.write(f"{i}\n")
+        x, y = super().__getitem__(i)
+        return (x + 0.1 * torch.randn_like(x), y) if self.augment else (x, y)
+
+
+def fetched(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mid_epoch_resume_never_fetches_the_skipped_samples(tmp_path, workers, caplog) -> None:
+    """Crash at step 7 of 10 per epoch, checkpoint of step 4: the resumed run fetches the 6
+    remaining batches of the epoch and the next epoch's 10, never the 4 trained ones; with
+    augmentation drawn from the RNG (no workers) the losses are still the uninterrupted ones."""
+    import logging
+
+    augment = workers == 0
+    counts = {}
+
+    def loader_for(name):
+        return lambda: DataLoader(CountingData(tmp_path / f"{name}.log", augment), batch_size=4, shuffle=True,
+                                  num_workers=workers)
+
+    want = run(tmp_path / "ref", loader_fn=loader_for("ref")).losses
+    first = run(tmp_path / "run", crash_at=7, loader_fn=loader_for("first")).losses
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        second = run(tmp_path / "run", loader_fn=loader_for("second")).losses
+    assert {**first, **second} == want
+    counts = {name: fetched(tmp_path / f"{name}.log") for name in ("ref", "second")}
+    assert counts["ref"] == 80  # 2 epochs of 40 samples
+    # with workers the loader prefetches ahead of the crash, but never the 16 skipped samples
+    assert counts["second"] == 80 - 16
+    assert "skipped 4 trained batches at the sampler (no sample fetched)" in caplog.text
+
+
+def test_fast_forward_replay_fetches_the_skipped_samples(tmp_path, caplog) -> None:
+    import logging
+
+    def loader_for(name):
+        return lambda: DataLoader(CountingData(tmp_path / f"{name}.log"), batch_size=4, shuffle=True)
+
+    kw = {"cb_kwargs": {"fast_forward": "replay"}}
+    want = run(tmp_path / "ref", loader_fn=loader_for("ref"), **kw).losses
+    first = run(tmp_path / "run", crash_at=7, loader_fn=loader_for("first"), **kw).losses
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        second = run(tmp_path / "run", loader_fn=loader_for("second"), **kw).losses
+    assert {**first, **second} == want
+    assert fetched(tmp_path / "second.log") == 80
+    assert "replayed 4 trained batches through the dataset in" in caplog.text
+    with pytest.raises(ConfigError, match="fast_forward.*allowed: sampler, replay"):
+        recover(tmp_path, fast_forward="skip")
+
+
+# -- preemption (issue 13) -----------------------------------------------------------------
+
+
+class SignalAt(Callback):
+    """Sends a real signal to this process at the end of a step (before RecoverCallback's hook)."""
+
+    def __init__(self, step: int, sig: int = 15, times: int = 1) -> None:
+        self.step, self.sig, self.times = step, sig, times
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            import os
+
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.sig)
+
+
+def preempted_run(root: Path, step: int, sig: int = 15, times: int = 1, module_cls=Net, cb_kwargs=None,
+                  **trainer_kwargs: Any):
+    pl.seed_everything(0, verbose=False)
+    module = module_cls()
+    t = trainer([SignalAt(step, sig, times), recover(root, **(cb_kwargs or {}))], **trainer_kwargs)
+    with pytest.raises(SystemExit) as exit_info:
+        t.fit(module, plain_loader())
+    return module, exit_info.value.code
+
+
+def test_sigterm_saves_the_current_step_and_stops_with_the_documented_exit_code(tmp_path, caplog) -> None:
+    """Checkpoints every 4 steps, SIGTERM (twice) at step 7: step 7 is checkpointed, the run
+    exits 75, and the same command continues at step 8 with nothing redone."""
+    import logging
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    want = run(tmp_path / "ref").losses
+    with caplog.at_level(logging.WARNING, logger="areal_lightning"):
+        first, code = preempted_run(tmp_path / "run", 7, times=2)
+    assert code == 75
+    assert "SIGTERM: the recover checkpoint of global step 7 is durable" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) == previous  # handlers given back
+    step = json.loads((trial(tmp_path / "run") / "recover_info" / "step_info.json").read_text())
+    assert step["global_step"] == 6  # 0-based index of step 7
+    second = run(tmp_path / "run").losses
+    assert min(second) == 8 and max(first.losses) == 7
+    assert {**first.losses, **second} == want
+
+
+def test_preemption_at_a_validation_step_saves_after_the_validation(tmp_path) -> None:
+    kwargs: dict[str, Any] = dict(val_check_interval=4, num_sanity_val_steps=0)
+    pl.seed_everything(0, verbose=False)
+    ref = ValNet()
+    trainer([recover(tmp_path / "ref")], **kwargs).fit(ref, plain_loader())
+    first, code = preempted_run(tmp_path / "run", 8, module_cls=ValNet, **kwargs)
+    assert code == 75
+    pl.seed_everything(0, verbose=False)
+    second = ValNet()
+    trainer([recover(tmp_path / "run")], **kwargs).fit(second, plain_loader())
+    assert {**first.losses, **second.losses} == ref.losses and min(second.losses) == 9
+    assert first.val_losses + second.val_losses == ref.val_losses  # the validation of step 8 ran once
+
+
+def test_preempt_signals_are_configurable_and_validated(tmp_path) -> None:
+    import signal
+
+    first, code = preempted_run(tmp_path / "run", 5, sig=signal.SIGUSR1,
+                                cb_kwargs={"preempt_signals": ["SIGTERM", "USR1"], "preempt_exit_code": 99})
+    assert code == 99
+    for bad, match in ((["SIGKILL"], "SIGKILL cannot be caught"), (["SIGNOPE"], "unknown signal 'SIGNOPE'"),
+                       (3.5, "expected a list of signal names")):
+        with pytest.raises(ConfigError, match=rf"preempt_signals: .*{match}"):
+            recover(tmp_path, preempt_signals=bad)
+    with pytest.raises(ConfigError, match="preempt_exit_code: expected an integer from 1 to 255"):
+        recover(tmp_path, preempt_exit_code=0)
+    # preempt_signals=None: SIGTERM keeps Lightning's own behaviour (stop after the batch, no checkpoint)
+    pl.seed_everything(0, verbose=False)
+    t = trainer([SignalAt(6), recover(tmp_path / "none", preempt_signals=None)])
+    with pytest.raises(SystemExit) as info:
+        t.fit(Net(), plain_loader())
+    assert info.value.code != 75
+    assert json.loads((trial(tmp_path / "none") / "recover_info" / "step_info.json").read_text())["global_step"] == 3
+
+
+def test_slurm_auto_requeue_signal_saves_then_requeues(tmp_path, monkeypatch) -> None:
+    """With SLURMEnvironment(auto_requeue=True), its requeue signal (SIGUSR1) checkpoints the
+    current step and runs ``scontrol requeue <job>``, instead of Lightning's save from inside
+    the signal handler; no Lightning hpc checkpoint is written."""
+    import os
+    import signal
+
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key, value in {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                       "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train"}.items():
+        monkeypatch.setenv(key, value)
+    first, code = preempted_run(tmp_path / "run", 6, sig=signal.SIGUSR1,
+                                plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=tmp_path / "root")
+    assert code == 75
+    assert calls.read_text().split() == ["requeue", "4242"]
+    assert not list((tmp_path / "root").rglob("hpc_ckpt_*"))
+    assert json.loads((trial(tmp_path / "run") / "recover_info" / "step_info.json").read_text())["global_step"] == 5
+
+
+class Recorder(pl.loggers.Logger):
+    """An in-memory logger (a user's own Logger subclass): every logged value, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, str, str]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows += [(step, k, float(v).hex()) for k, v in sorted(metrics.items()) if not k.startswith("checkpoint/")]
+
+
+class EpochMeanNet(Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_mean", loss, on_step=False, on_epoch=True)
+        self.log("loss_max", loss, on_step=False, on_epoch=True, reduce_fx="max")
+        return loss
+
+
+def test_epoch_aggregated_training_metrics_continue_across_a_mid_epoch_resume(tmp_path) -> None:
+    logs = {}
+    for name, root, crash in (("ref", "ref", None), ("first", "run", 7), ("second", "run", None)):
+        pl.seed_everything(0, verbose=False)
+        module, rec = EpochMeanNet(), Recorder()
+        callbacks: list = [recover(tmp_path / root)] + ([CrashAt(crash)] if crash else [])
+        t = trainer(callbacks, logger=rec, log_every_n_steps=1)
+        if crash:
+            with pytest.raises(Crash):
+                t.fit(module, plain_loader())
+        else:
+            t.fit(module, plain_loader())
+        logs[name] = [r for r in rec.rows if r[1] in ("loss_mean", "loss_max")]
+    # epoch 0 was interrupted after step 7 (checkpoint of step 4): its aggregate covers all 10 batches
+    assert logs["first"] == []
+    assert logs["second"] == logs["ref"] and len(logs["ref"]) == 4

@@ -151,3 +151,40 @@ def test_retries_supervisor_resumes_a_crashing_training_run(tmp_path, tmp_path_f
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "attempt 3/3 succeeded" in proc.stderr
     assert_exact(losses_by_step(losses), want)
+
+
+def test_sigterm_on_one_rank_checkpoints_that_step_on_every_rank_and_the_rerun_redoes_nothing(
+        tmp_path, tmp_path_factory) -> None:
+    """DDP on 2 processes, checkpoints every 5 steps; only rank 1 gets SIGTERM, after step 8.
+    Both ranks agree, checkpoint step 8, exit 75; the same command trains steps 9.. once."""
+    args = ("--devices", "2")
+    ref = tmp_path_factory.mktemp("ddp-reference")
+    assert train(ref, ref / "losses.jsonl", *args).returncode == 0
+    losses = tmp_path / "losses.jsonl"
+    stopped = train(tmp_path, losses, *args, "--sigterm-at-step", "8", "--sigterm-rank", "1")
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "SIGTERM received" in stopped.stderr and "stopping with exit code 75" in stopped.stderr
+    info = tmp_path / "checkpoints" / "u" / "exp" / "t" / "recover_info" / "step_info.json"
+    assert json.loads(info.read_text())["global_step"] == 7
+    resumed = train(tmp_path, losses, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        steps = [json.loads(line)["step"] for line in Path(f"{losses}.rank{rank}").read_text().splitlines()]
+        assert steps == sorted(set(steps)), f"rank {rank} trained a step twice"
+        assert_exact(losses_by_step(Path(f"{losses}.rank{rank}")), losses_by_step(ref / f"losses.jsonl.rank{rank}"))
+
+
+def test_sigkill_during_the_preemption_save_leaves_the_old_or_the_new_checkpoint(tmp_path, tmp_path_factory) -> None:
+    """SIGTERM after step 8, then SIGKILL in the middle of the swap of that save (the old
+    checkpoint renamed aside, the new one not yet in place): the rerun resumes exactly."""
+    import os
+
+    want = reference(tmp_path_factory, ())
+    losses = tmp_path / "losses.jsonl"
+    env = {"AREAL_LIGHTNING_FAULT": "recover.swap.old_checkpoint_moved:kill"}  # reached first by step 8's save
+    killed = train(tmp_path, losses, "--sigterm-at-step", "8", env={**os.environ, **env})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert "SIGTERM received" in killed.stderr
+    resumed = train(tmp_path, losses)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_exact(losses_by_step(losses), want)

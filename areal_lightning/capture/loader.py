@@ -32,11 +32,12 @@ inside the first epoch of a process.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Iterator
 
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
 
@@ -72,37 +73,110 @@ def restores_itself(loader: Any) -> bool:
 
 
 def _resumable_subclass(cls: type) -> type:
-    """A subclass of ``cls`` that routes ``__iter__`` through the tracker (set as class attributes).
+    """A subclass of ``cls`` that routes ``__iter__`` and its index sampler through the
+    tracker (set as class attributes).
 
     Built with ``type()`` and no extra base, so the object layout equals ``cls``'s and an
-    existing loader's ``__class__`` can be swapped in place.
+    existing loader's ``__class__`` can be swapped in place. ``_index_sampler`` is the
+    (batch) sampler ``torch``'s DataLoader iterators read their indices from: the tracker
+    wraps it to record where the epoch's order was drawn and to fast-forward it after a resume.
     """
 
     def __iter__(self: Any) -> Iterator[Any]:
         return type(self)._areal_tracker._iterate(self, type(self)._areal_index, super(sub, self).__iter__)
 
+    def _index_sampler(self: Any) -> Any:
+        inner = super(sub, self)._index_sampler
+        if is_stateful_loader(self):  # a StatefulDataLoader fast-forwards (and saves) its own sampler
+            return inner
+        return _TrackedSampler(inner, type(self)._areal_tracker, type(self)._areal_index)
+
     sub = type(f"Resumable{cls.__name__}", (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                                     "_index_sampler": property(_index_sampler),
                                                      "_areal_resumable": True})
     return sub
 
 
+class _TrackedSampler:
+    """The loader's (batch) sampler, seen by the DataLoader iterator: notes the torch RNG state
+    at its first draw (where a ``RandomSampler`` draws its seed: at the first batch without
+    workers, inside ``iter()`` with workers), and after a resume skips the batches already
+    trained on without fetching a single sample: the same RNG state is set for the first
+    draw, the indices of the skipped batches are drawn and dropped, the RNG is put back."""
+
+    def __init__(self, inner: Any, tracker: "LoaderTracker", index: int) -> None:
+        self._inner = inner
+        self._tracker = tracker
+        self._index = index
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = iter(self._inner)
+        skip = self._tracker._sampler_skip.pop(self._index, None)
+        if skip is not None:
+            count, first_rng = skip
+            self._tracker._first_rng[self._index] = first_rng
+            start = time.perf_counter()
+            current = torch.get_rng_state()
+            torch.set_rng_state(first_rng.to(torch.uint8))
+            try:
+                for done in range(count):
+                    if next(indices, _END) is _END:
+                        raise RuntimeError(_ended_early(done, count))
+            finally:
+                torch.set_rng_state(current)
+            self._tracker._note(self._index, f"skipped {count} trained batches at the sampler "
+                                             f"(no sample fetched) in {time.perf_counter() - start:.3f}s")
+            yield from indices
+            return
+        state = torch.get_rng_state()
+        first = next(indices, _END)
+        if first is _END:
+            return
+        self._tracker._first_rng[self._index] = state
+        yield first
+        yield from indices
+
+
+_END = object()
+
+
+def _ended_early(done: int, wanted: int) -> str:
+    return (f"resume: the train dataloader ended after {done} batches, but the checkpoint was taken after "
+            f"{wanted} batches of this epoch; the dataset changed since the checkpoint was written. Restore it, "
+            "or delete recover_info/ to start fresh.")
+
+
 class _TrackedIterator:
-    """Iterator proxy that notes the torch RNG state at its first ``next()`` (where a
-    ``RandomSampler`` without workers draws its seed) and, after a resume, replays the
-    first ``skip`` batches from that state before handing out the next one.
+    """Iterator proxy that counts the batches of the epoch it hands out (``position``), keeps
+    an ``IterableDataset``'s ``state_dict`` from before each of the latest fetches, notes the
+    torch RNG state at the first ``next()`` of an ``IterableDataset`` and, where the loader
+    cannot skip at the sampler, replays the first ``skip`` batches through the dataset from
+    that state before handing out the next one.
 
     The replay runs at the first ``next()``, not at ``iter()``, so that several loaders
     iterated together draw in the order of the uninterrupted run; the RNG stream of the
     training loop is put back afterwards.
     """
 
-    def __init__(self, inner: Iterator[Any], tracker: "LoaderTracker", index: int, skip: int = 0,
-                 first_rng: torch.Tensor | None = None) -> None:
+    _KEEP = 8  # dataset states kept: Lightning fetches at most a few batches ahead
+
+    def __init__(self, inner: Iterator[Any], tracker: "LoaderTracker", index: int, *, offset: int = 0,
+                 replay: int = 0, first_rng: torch.Tensor | None = None, dataset: Any = None,
+                 record_rng: bool = False, stateful_loader: Any = None) -> None:
         self._inner = inner
         self._tracker = tracker
         self._index = index
-        self._skip = skip
+        self._replay = replay
         self._first_rng = first_rng
+        self._record_rng = record_rng
+        self._dataset = dataset  # an IterableDataset whose state_dict is kept per fetch
+        self.dataset_states: dict[int, Any] = {}
+        self._stateful_loader = stateful_loader  # a StatefulDataLoader read ahead: its state_dict per fetch
+        self.loader_states: dict[int, Any] = {}
+        self.position = offset + replay
         self._started = False
 
     def __iter__(self) -> "_TrackedIterator":
@@ -111,25 +185,37 @@ class _TrackedIterator:
     def __next__(self) -> Any:
         if not self._started:
             self._started = True
-            if self._first_rng is None:
-                self._tracker._first_rng[self._index] = torch.get_rng_state()
-            else:
+            if self._first_rng is not None:
                 self._tracker._first_rng[self._index] = self._first_rng
-                training_rng = torch.get_rng_state()
-                torch.set_rng_state(self._first_rng.to(torch.uint8))
-                try:
-                    for done in range(self._skip):
-                        try:
-                            next(self._inner)
-                        except StopIteration:
-                            raise RuntimeError(
-                                f"resume: the train dataloader ended after {done} batches, but the checkpoint was "
-                                f"taken after {self._skip} batches of this epoch; the dataset changed since the "
-                                "checkpoint was written. Restore it, or delete recover_info/ to start fresh."
-                            ) from None
-                finally:
-                    torch.set_rng_state(training_rng)
-        return next(self._inner)
+            elif self._record_rng:
+                self._tracker._first_rng[self._index] = torch.get_rng_state()
+            if self._replay:
+                self._replay_batches()
+        if self._dataset is not None:
+            self.dataset_states[self.position] = self._dataset.state_dict()
+            self.dataset_states.pop(self.position - self._KEEP, None)
+        if self._stateful_loader is not None:
+            self.loader_states[self.position] = self._stateful_loader.state_dict()
+            self.loader_states.pop(self.position - self._KEEP, None)
+        batch = next(self._inner)
+        self.position += 1
+        return batch
+
+    def _replay_batches(self) -> None:
+        start = time.perf_counter()
+        training_rng = torch.get_rng_state()
+        if self._first_rng is not None:
+            torch.set_rng_state(self._first_rng.to(torch.uint8))
+        try:
+            for done in range(self._replay):
+                if next(self._inner, _END) is _END:
+                    raise RuntimeError(_ended_early(done, self._replay))
+        finally:
+            torch.set_rng_state(training_rng)
+        took = time.perf_counter() - start
+        reason = self._tracker._replay_reason.get(self._index, "fast_forward='replay'")
+        self._tracker._note(self._index, f"replayed {self._replay} trained batches through the dataset in "
+                                         f"{took:.2f}s (it cannot skip at the sampler: {reason})")
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]
@@ -171,16 +257,42 @@ def remap_position(state: dict[str, Any], old_world: int, new_world: int) -> dic
     return {**state, "loaders": loaders}
 
 
+FAST_FORWARD_MODES = ("sampler", "replay")
+"""How a mid-epoch resume passes the batches already trained on: ``sampler`` draws and drops
+their indices without fetching a sample (map-style datasets; an ``IterableDataset`` with
+``state_dict``/``load_state_dict`` gets its state back instead); ``replay`` fetches them
+through the dataset (also exact for datasets that draw from a worker's RNG stream)."""
+
+
+def _has_len(loader: Any) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
+
+
+def _has_state(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
 class LoaderTracker:
-    """Tracks the train loaders of one run and replays their position after a resume.
+    """Tracks the train loaders of one run and restores their position after a resume.
 
     Args:
         unwrap_sampler: returns the user's sampler inside a framework's sampler wrapper
             (Lightning's ``DistributedSamplerWrapper``), whose generator holds the epoch's
             permutation; identity by default.
+        fast_forward: one of :data:`FAST_FORWARD_MODES`.
     """
 
-    def __init__(self, unwrap_sampler: Callable[[Any], Any] = lambda sampler: sampler) -> None:
+    def __init__(self, unwrap_sampler: Callable[[Any], Any] = lambda sampler: sampler,
+                 fast_forward: str = "sampler") -> None:
+        if fast_forward not in FAST_FORWARD_MODES:
+            raise ValueError(f"fast_forward: unknown mode {fast_forward!r}; allowed: {', '.join(FAST_FORWARD_MODES)}")
+        self.fast_forward = fast_forward
+        self._sampler_skip: dict[int, tuple[int, torch.Tensor]] = {}
+        self._replay_reason: dict[int, str] = {}
         self._unwrap_sampler = unwrap_sampler
         self._iters: dict[int, Any] = {}
         self._first_rng: dict[int, torch.Tensor] = {}
@@ -229,10 +341,14 @@ class LoaderTracker:
         loaders = {}
         for index, loader in self._loaders.items():
             stateful = restores_itself(loader)
-            yielded = getattr(self._iters.get(index), "_num_yielded", None)
-            done = yielded - prefetched if isinstance(yielded, int) else batches_done
+            iterator = self._iters.get(index)
+            position = getattr(iterator, "position", None)
+            done = position - prefetched if isinstance(position, int) else batches_done
             entry: dict[str, Any] = {"stateful": stateful, "batches_done": done,
                                      "batch_size": getattr(loader, "batch_size", None)}
+            states = getattr(iterator, "dataset_states", {})
+            if not at_boundary and not stateful and done in states:
+                entry["dataset_state"] = states[done]  # the IterableDataset before its first untrained batch
             if not at_boundary and not stateful:
                 if index not in self._iter_rng or index not in self._first_rng:
                     raise RuntimeError("internal: train loader position requested before its first batch")
@@ -266,7 +382,8 @@ class LoaderTracker:
             elif not entry["stateful"]:
                 self._pending[int(key)] = {**common, "rng": entry["iter_rng"], "first_rng": entry["first_rng"],
                                            "skip": int(entry["batches_done"]),
-                                           "sampler_generator": entry.get("sampler_generator")}
+                                           "sampler_generator": entry.get("sampler_generator"),
+                                           "dataset_state": entry.get("dataset_state")}
             else:
                 # The loader's own state, as Lightning saved it. Lightning restores it too, except
                 # when configure_optimizers built the loader early (estimated_stepping_batches,
@@ -302,18 +419,47 @@ class LoaderTracker:
         if gen is not None:
             self._iter_gen[index] = gen.get_state()
         self._first_rng.pop(index, None)
-        replay = pending is not None and pending.get("first_rng") is not None
-        iterator = _TrackedIterator(make_iter(), self, index, skip=pending["skip"] if replay else 0,
-                                    first_rng=pending["first_rng"] if replay else None)
+        self._sampler_skip.pop(index, None)
+        iterable = isinstance(loader.dataset, IterableDataset)
+        # An IterableDataset iterated in this process (no workers) with state_dict: its state is
+        # kept per fetch, and restored instead of replaying its batches.
+        dataset = loader.dataset if iterable and not loader.num_workers and _has_state(loader.dataset) else None
+        skip = pending["skip"] if pending is not None and pending.get("first_rng") is not None else 0
+        offset = replay = 0
+        what = ""
+        if skip and dataset is not None and pending.get("dataset_state") is not None:
+            dataset.load_state_dict(pending["dataset_state"])
+            offset, what = skip, f"its IterableDataset's state after {skip} trained batches restored"
+        elif skip and not iterable and self.fast_forward == "sampler" and not is_stateful_loader(loader):
+            self._sampler_skip[index] = (skip, pending["first_rng"])
+            offset, what = skip, f"skips {skip} trained batches at the sampler"
+        elif skip:
+            replay, what = skip, f"replays {skip} trained batches"
+            self._replay_reason[index] = (
+                "a StatefulDataLoader whose sampler Lightning wrapped" if is_stateful_loader(loader) and not iterable
+                else "fast_forward='replay'" if not iterable else
+                "an IterableDataset without state_dict/load_state_dict" if not _has_state(loader.dataset) else
+                "its IterableDataset runs in worker processes; a StatefulDataLoader keeps their state")
+        # A stateful loader over an unsized dataset: Lightning fetches a batch ahead, which its own
+        # state_dict at save time would count as consumed; its state from before each fetch is kept.
+        ahead = loader if is_stateful_loader(loader) and iterable and not _has_len(loader) else None
+        iterator = _TrackedIterator(make_iter(), self, index, offset=offset, replay=replay,
+                                    first_rng=pending["first_rng"] if replay else None, dataset=dataset,
+                                    record_rng=iterable or is_stateful_loader(loader), stateful_loader=ahead)
         self._iters[index] = iterator
         if pending is not None:
-            skip = pending["skip"]
-            if skip:
-                what = f"skipped {skip} trained batches"
-            elif pending.get("loader_state") is not None:
-                what = "its own state restored"
-            else:
-                what = "epoch start"
+            if not what:
+                what = "its own state restored" if pending.get("loader_state") is not None else "epoch start"
             self.replayed.append(f"loader {index}: {what}")
-            log.debug("train loader %d resumed (skip=%d)", index, skip)
+            log.debug("train loader %d resumed: %s", index, what)
         return iterator
+
+    def loader_state(self, index: int, loader: Any, batches_done: int) -> Any:
+        """A stateful loader's own state at its position ``batches_done``: the one kept from
+        before that batch's fetch when the loader was read ahead, else ``loader.state_dict()``."""
+        kept = getattr(self._iters.get(index), "loader_states", {})
+        return kept[batches_done] if batches_done in kept else loader.state_dict()
+
+    def _note(self, index: int, what: str) -> None:
+        """A fast-forward done (logged with its time)."""
+        log.info("RecoverCallback: train loader %d: %s", index, what)

@@ -26,6 +26,11 @@ Why each is needed (public Lightning has no equivalent):
   (``epoch_loop._should_check_val_fx(fit_loop._data_fetcher)``, ``epoch_loop._skip_next_val``);
   no hook runs between that validation and the next batch's fetch, so a save that must follow
   the validation wraps ``epoch_loop.val_loop.run``.
+* epoch-aggregated training metrics (``self.log(..., on_epoch=True)``) across a mid-epoch
+  resume: Lightning accumulates them in ``fit_loop.epoch_loop._results`` and saves them nowhere.
+* preemption under ``SLURMEnvironment(auto_requeue=True)``: the cluster environment of any
+  strategy (``trainer._accelerator_connector.cluster_environment``; single-device strategies
+  have no public ``cluster_environment``).
 """
 
 from __future__ import annotations
@@ -51,12 +56,16 @@ __all__ = [
     "callback_state_key",
     "validation_follows",
     "wrap_validation_run",
+    "cluster_environment",
+    "train_epoch_metrics",
+    "continue_train_epoch_metrics",
 ]
 
 PRIVATE_NAMES = (
     "_checkpoint_connector", "_loaded_checkpoint", "_data_source", "_combined_loader", "_data_fetcher",
     "_checkpoint_io", "_WrappingCheckpointIO", "_state_dict_type", "_save_distributed_checkpoint",
     "_experiment", "_version", "_sampler", "_generate_state_key", "_should_check_val_fx", "_skip_next_val",
+    "_accelerator_connector", "_results",
 )
 """The Lightning private names used here (and nowhere else in the package)."""
 
@@ -200,3 +209,43 @@ def wrap_validation_run(trainer: Any, patch: Patch, make: Callable[[Callable[[],
     the sanity check included) by ``make(original)``."""
     loop = trainer.fit_loop.epoch_loop.val_loop
     patch.set(loop, "run", make(_require(loop, "run", "fit_loop.epoch_loop.val_loop")))
+
+
+def cluster_environment(trainer: Any) -> Any:
+    """The Trainer's ``ClusterEnvironment`` plugin (``_accelerator_connector.cluster_environment``),
+    also for single-device strategies, which do not expose it."""
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    return env if env is not None else getattr(trainer._accelerator_connector, "cluster_environment", None)
+
+
+def train_epoch_metrics(trainer: Any) -> dict[str, dict[str, Any]]:
+    """The epoch accumulators of the values logged in training with ``on_epoch=True``
+    (``fit_loop.epoch_loop._results``: ``_ResultMetric.value`` and, for means,
+    ``cumulated_batch_size``), as CPU tensors keyed like Lightning keys them."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, metric in trainer.fit_loop.epoch_loop._results.items():
+        meta = getattr(metric, "meta", None)
+        if not getattr(metric, "is_tensor", False) or meta is None or not meta.on_epoch:
+            continue  # a torchmetrics.Metric logged by the user keeps its own state
+        entry = {"value": metric.value.detach().cpu().clone()}
+        if meta.is_mean_reduction:
+            entry["cumulated_batch_size"] = metric.cumulated_batch_size.detach().cpu().clone()
+        out[key] = entry
+    return out
+
+
+def continue_train_epoch_metrics(trainer: Any, saved: dict[str, dict[str, Any]]) -> None:
+    """After a mid-epoch resume, at a batch end: fold the saved accumulators into the metrics
+    the resumed epoch created since (each has seen one batch: ``0 + x`` is ``x`` exactly, so
+    ``saved + x`` is the uninterrupted run's sum bit for bit). Applied keys leave ``saved``."""
+    results = trainer.fit_loop.epoch_loop._results
+    for key in [k for k in saved if k in results]:
+        entry, metric = saved.pop(key), results[key]
+        value = entry["value"].to(metric.value.device, metric.value.dtype)
+        if metric.meta.is_max_reduction or metric.meta.is_min_reduction:
+            metric.value = metric.meta.reduce_fx(value, metric.value)
+        else:
+            metric.value = value + metric.value
+        if "cumulated_batch_size" in entry and metric.meta.is_mean_reduction:
+            metric.cumulated_batch_size = entry["cumulated_batch_size"].to(metric.cumulated_batch_size.device) \
+                + metric.cumulated_batch_size

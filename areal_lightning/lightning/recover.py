@@ -16,6 +16,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from areal_lightning.capture.loader import FAST_FORWARD_MODES
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, validate_timeout
 from areal_lightning.commit.recover_store import RecoverStore
 from areal_lightning.config import (
@@ -27,12 +28,25 @@ from areal_lightning.config import (
 )
 from areal_lightning.errors import ConfigError
 from areal_lightning.layout import CHECKPOINT_INFO, TrialLayout
-from areal_lightning.lightning._internals import callback_state_key, validation_follows
+from areal_lightning.lightning._internals import (
+    callback_state_key,
+    cluster_environment,
+    continue_train_epoch_metrics,
+    validation_follows,
+)
 from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
 from areal_lightning.lightning.recover_session import RecoverSession
 from areal_lightning.lightning.recover_state import RecoverState, at_epoch_boundary
 from areal_lightning.telemetry import Telemetry
 from areal_lightning.trigger import FreqController, StepGate, StepInfo
+from areal_lightning.trigger.preempt import (
+    DEFAULT_PREEMPT_SIGNALS,
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    PreemptionWatch,
+    parse_signals,
+    slurm_requeue,
+)
 
 __all__ = ["RecoverCallback", "StepInfo"]
 
@@ -78,6 +92,20 @@ class RecoverCallback(Callback):
         collective_timeout: seconds any checkpoint collective waits for the other ranks
             (setup checks, the agreement before each save, DCP's exchanges) before every
             rank raises; it must exceed the slowest rank's write time of one save.
+        fast_forward: how a mid-epoch resume passes the batches of the epoch already trained
+            on: ``"sampler"`` (default) draws and drops their indices without fetching a sample
+            (an ``IterableDataset`` with ``state_dict``/``load_state_dict`` gets its state back;
+            one without is replayed, and the log says how long that took); ``"replay"`` fetches
+            them through the dataset, for datasets whose ``__getitem__`` draws from the RNG
+            stream of a worker process (``num_workers > 0``), which only a replay reproduces.
+        preempt_signals: signals that mean "this run is being preempted" (default SIGTERM;
+            also e.g. ``["SIGTERM", "SIGUSR1"]``; ``None`` or ``[]``: none). On one, the run
+            finishes its optimizer step, every rank agrees on that step, writes a recover
+            checkpoint of it, waits until it is durable and stops with ``preempt_exit_code``
+            (raising :class:`~areal_lightning.trigger.preempt.Preempted`, a ``SystemExit``).
+            Under ``SLURMEnvironment(auto_requeue=True)`` its requeue signal is handled so too,
+            followed by ``scontrol requeue`` (instead of Lightning's save from inside the handler).
+        preempt_exit_code: the exit code of a preempted run (default 75, ``EX_TEMPFAIL``).
         weights_only: unpickle the checkpoint's non-tensor state as ``torch.load(...,
             weights_only=True)`` does (default). Hyper-parameters holding other objects are
             then refused with an explanation: allowlist their types with
@@ -106,6 +134,9 @@ class RecoverCallback(Callback):
         name: str = "default",
         weights_only: bool = True,
         collective_timeout: float = DEFAULT_TIMEOUT_S,
+        fast_forward: str = "sampler",
+        preempt_signals: Any = DEFAULT_PREEMPT_SIGNALS,
+        preempt_exit_code: int = PREEMPTED_EXIT_CODE,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -119,6 +150,13 @@ class RecoverCallback(Callback):
             raise ConfigError("io_mode", f"unknown mode {io_mode!r}; allowed: {', '.join(IO_MODES)}")
         if on_resume is not None and not callable(on_resume):
             raise ConfigError("on_resume", f"expected a callable fn(trainer, module, step_info), got {on_resume!r}")
+        if fast_forward not in FAST_FORWARD_MODES:
+            raise ConfigError("fast_forward",
+                              f"unknown mode {fast_forward!r}; allowed: {', '.join(FAST_FORWARD_MODES)}")
+        signals = parse_signals(preempt_signals)
+        if isinstance(preempt_exit_code, bool) or not isinstance(preempt_exit_code, int) \
+                or not 1 <= preempt_exit_code <= 255:
+            raise ConfigError("preempt_exit_code", f"expected an integer from 1 to 255, got {preempt_exit_code!r}")
         if not isinstance(weights_only, bool):
             raise ConfigError("weights_only", f"expected True or False, got {weights_only!r}")
         self.config = exp.recover
@@ -133,7 +171,12 @@ class RecoverCallback(Callback):
         self.on_resume = on_resume
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self.gate = StepGate(self.freq)
-        self.state = RecoverState(self.freq)
+        self.fast_forward = fast_forward
+        self.preempt = PreemptionWatch(signals)
+        self.preempt_exit_code = preempt_exit_code
+        self._stop_after_save = False
+        self._requeue_signal: Any = None
+        self.state = RecoverState(self.freq, fast_forward)
         self.telemetry = Telemetry()
         self.resumed_from: StepInfo | None = None
         self._deferred: str | None = None  # a fired save waiting for the validation / epoch end after its batch
@@ -148,7 +191,8 @@ class RecoverCallback(Callback):
         r = exp.recover
         return cls(fileroot=exp.fileroot, experiment_name=exp.experiment_name, trial_name=exp.trial_name,
                    user=exp.user, mode=r.mode, freq_epochs=r.freq_epochs, freq_steps=r.freq_steps,
-                   freq_secs=r.freq_secs, retries=r.retries, **kwargs)
+                   freq_secs=r.freq_secs, retries=r.retries,
+                   **{"preempt_signals": r.preempt_signals, "fast_forward": r.fast_forward, **kwargs})
 
     @property
     def enabled(self) -> bool:
@@ -180,6 +224,8 @@ class RecoverCallback(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.state.position.train_started(trainer)
+        if self.enabled:
+            self._watch_signals(trainer)
         step = self._session.train_started(pl_module) if self._session is not None else None
         if step is None:
             return
@@ -201,10 +247,15 @@ class RecoverCallback(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self.state.pending_epoch_metrics:  # the first batches after a mid-epoch resume
+            continue_train_epoch_metrics(trainer, self.state.pending_epoch_metrics)
         if not self.enabled or not self.gate.new_step(trainer.global_step):
             return  # no optimizer step in this batch (gradient accumulation): nothing new to save
-        if self.gate.due(trainer.global_step, self._session.ranks if self._session is not None else None,
-                         "seconds trigger"):
+        ranks = self._session.ranks if self._session is not None else None
+        if self.preempt.agreed(ranks):
+            self._stop_after_save = True
+            self._save_after_batch(trainer)
+        elif self.gate.due(trainer.global_step, ranks, "seconds trigger"):
             self._save_after_batch(trainer)
         self.telemetry.flush(trainer)
         if self._session is not None:
@@ -221,28 +272,65 @@ class RecoverCallback(Callback):
         elif validation_follows(trainer):
             self._deferred = "validation"
         else:
-            self.save(trainer)
+            self._save_now(trainer)
 
     def _after_validation(self, trainer: "pl.Trainer") -> None:
         """Lightning's validation after a batch returned (it may have had nothing to run)."""
         if self._deferred == "validation" and not trainer.sanity_checking:
             self._deferred = None
-            self.save(trainer)
+            self._save_now(trainer)
+
+    def _save_now(self, trainer: "pl.Trainer") -> None:
+        self.save(trainer)
+        if self._stop_after_save:
+            self._stop_preempted(trainer)
+
+    def _watch_signals(self, trainer: "pl.Trainer") -> None:
+        """Take over the preemption signals (now: Lightning registered its handlers just before)."""
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+        env = cluster_environment(trainer)
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
+            self._requeue_signal = env.requeue_signal
+            if self.preempt.signals and env.requeue_signal not in self.preempt.signals:
+                self.preempt.signals = (*self.preempt.signals, env.requeue_signal)
+        self.preempt.install()
+
+    def _stop_preempted(self, trainer: "pl.Trainer") -> None:
+        """After the preemption checkpoint: wait until it is durable on every rank, stop."""
+        self._stop_after_save = False
+        if self._session is not None:
+            self._session.settle()
+        requeued = False
+        if (self._requeue_signal is not None and int(self._requeue_signal) in self.preempt.received
+                and trainer.is_global_zero):
+            requeued = slurm_requeue()
+        for lg in trainer.loggers:
+            lg.save()
+        got = self.preempt.signal_name or "a preemption signal on another rank"
+        log.warning(
+            "RecoverCallback: %s: the recover checkpoint of global step %d is durable in %s; stopping with exit "
+            "code %d%s. Run the same command again to continue from there.", got, trainer.global_step,
+            self.store.ckpt_dir, self.preempt_exit_code, " (SLURM job requeued)" if requeued else "")
+        self.preempt.uninstall()
+        raise Preempted(self.preempt_exit_code)
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.enabled and not trainer.sanity_checking:
             self.state.evaluator.validated(trainer)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.state.pending_epoch_metrics = {}
         deferred, self._deferred = self._deferred, None
         if self.enabled and (self.gate.at_epoch_end(trainer.current_epoch + 1, trainer.global_step)
                              or deferred is not None):
-            self.save(trainer)
+            self._save_now(trainer)
         self.telemetry.flush(trainer)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A run that finished keeps a checkpoint of its end, so re-running it does nothing."""
         self._deferred = None
+        self.preempt.uninstall()
         if self.enabled and trainer.global_step > 0 and self.freq.last_fired_step != trainer.global_step:
             self.save(trainer)
         if self._session is not None:
@@ -251,6 +339,7 @@ class RecoverCallback(Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """Let the save in flight finish (its failure is logged, not raised over the original error)."""
+        self.preempt.uninstall()
         if self._session is not None:
             try:
                 self._session.wait()
@@ -259,6 +348,7 @@ class RecoverCallback(Callback):
             self._session.close()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.preempt.uninstall()
         if self._session is not None:
             self._session.close()
 

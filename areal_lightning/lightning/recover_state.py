@@ -36,6 +36,7 @@ from areal_lightning.layout import (
 )
 from areal_lightning.lightning._internals import (
     prefetched_batches,
+    train_epoch_metrics,
     train_loaders,
     wrapped_sampler,
 )
@@ -68,15 +69,16 @@ def step_info(trainer: Any, position: EpochPosition) -> StepInfo:
 class RecoverState:
     """The callback state of ``RecoverCallback`` (see the module doc)."""
 
-    def __init__(self, freq: FreqController) -> None:
+    def __init__(self, freq: FreqController, fast_forward: str = "sampler") -> None:
         self.freq = freq
         self.position = EpochPosition()
-        self.tracker = LoaderTracker(unwrap_sampler=wrapped_sampler)
+        self.tracker = LoaderTracker(unwrap_sampler=wrapped_sampler, fast_forward=fast_forward)
         self.evaluator = EvaluatorPosition()
         self._saving: tuple[Any, bool, CheckpointGroup] | None = None  # (trainer, at boundary, ranks) of our save
         self._pending_rng: dict[str, Any] | None = None
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
         self._boundary_rng_applied = False
+        self.pending_epoch_metrics: dict[str, Any] = {}  # saved epoch aggregates not yet folded in
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -100,17 +102,19 @@ class RecoverState:
         trainer, boundary, ranks = self._saving
         state["rng"] = capture_rng()
         state["data"] = self.tracker.state_dict(batches_done(trainer), boundary, prefetched_batches(trainer))
+        # Mid-epoch: the epoch aggregates of values logged with on_epoch=True so far.
+        state["epoch_metrics"] = {} if boundary else train_epoch_metrics(trainer)
         if not boundary:
             # Each stateful loader's own state, as Lightning saves it (CombinedLoader._state_dicts),
             # kept here too: Lightning drops it when configure_optimizers built the loader early (#20550).
             for i, dl in enumerate(train_loaders(trainer)):
                 entry = state["data"]["loaders"].get(str(i))
                 if entry is not None and entry["stateful"]:
-                    entry["loader_state"] = dl.state_dict()
+                    entry["loader_state"] = self.tracker.loader_state(i, dl, entry["batches_done"])
         if trainer.world_size > 1:
             # RNG and loader position differ per rank; Lightning saves rank 0's callback
             # state only, so every rank's is gathered into it (all ranks are in the save).
-            mine = {"rng": state.pop("rng"), "data": state.pop("data")}
+            mine = {"rng": state.pop("rng"), "data": state.pop("data"), "epoch_metrics": state.pop("epoch_metrics")}
             gathered = ranks.agree(None, "per-rank RNG and data position", mine)
             state["per_rank"] = {str(rank): entry for rank, entry in enumerate(gathered)}
         return state
@@ -167,6 +171,7 @@ class RecoverState:
         if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
             data, self._remapped = self._remapped or state["data"], None
             self._pending_rng = state["rng"]
+            self.pending_epoch_metrics = dict(state.get("epoch_metrics") or {})
             self._boundary_rng_applied = bool(data["at_boundary"])
             self.tracker.load_state_dict(data, checkpoint_rng=state["rng"]["torch"])
 

@@ -146,6 +146,8 @@ def continue_logger_versions(trainer: Any, saved: dict[str, Any], steps_done: in
         if any(not p.name.startswith("events.out.tfevents") or p.stat().st_size > 1024 for p in leftovers):
             continue
         redirect_logger(logger, entry["version"])
+        if not trainer.is_global_zero:
+            continue  # loggers write on rank 0 only (elsewhere their experiment is a dummy)
         if new_dir.is_dir():
             shutil.rmtree(new_dir, ignore_errors=True)
         _keep_csv_rows(logger, steps_done)

@@ -8,6 +8,7 @@
 Appends one JSON line per optimizer step to --losses (``.rank{r}`` appended when --devices > 1):
 {"step", "loss" (float.hex), "pid", "samples" (dataset indices of the batch)}.
 --kill-at-step N sends SIGKILL to itself at the end of step N (before that step's save);
+--sigterm-at-step N [--sigterm-rank R] sends SIGTERM to rank R at the end of step N (first run only);
 the loss of a step is recorded in ``training_step``, so before any checkpoint of that step.
 """
 
@@ -90,6 +91,19 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SignalAt(pl.Callback):
+    """SIGTERM to this process at the end of step ``step``, on rank ``rank`` only (ranks are
+    preempted at different steps), on the first run of the trial only."""
+
+    def __init__(self, step: int, rank: int, root: str) -> None:
+        self.step, self.rank, self.marker = step, rank, os.path.join(root, f"signalled.rank{rank}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class DumpState(pl.Callback):
     """Writes the full (gathered) model and optimizer state, keyed by parameter name, at
     every ``every``-th step (``PREFIX.stepN.pt``) and right after a resume
@@ -154,6 +168,8 @@ def main() -> None:
     p.add_argument("--dump-state", default=None, help="prefix of full model+optimizer dumps (see DumpState)")
     p.add_argument("--freq-secs", type=int, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps, times (rank + 1)")
+    p.add_argument("--sigterm-at-step", type=int, default=None, help="SIGTERM to itself at the end of that step")
+    p.add_argument("--sigterm-rank", type=int, default=0, help="the rank --sigterm-at-step signals")
     p.add_argument("--disk-full-at-step", type=int, default=None, help="limit file sizes (RLIMIT_FSIZE) from then on")
     args = p.parse_args()
 
@@ -171,6 +187,8 @@ def main() -> None:
     callbacks = [recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
+    if args.sigterm_at_step is not None:
+        callbacks.insert(0, SignalAt(args.sigterm_at_step, args.sigterm_rank, args.root))
     if args.dump_state is not None:
         callbacks.insert(0, DumpState(args.dump_state, args.freq_steps))
     if args.disk_full_at_step is not None:
