@@ -9,7 +9,7 @@ One epoch of ``--batches`` batches (batch size 1) of a map-style dataset whose
 ``__getitem__`` sleeps ``--getitem-ms`` ms (a tokenised corpus read from disk). A first
 run trains ``--at`` of the epoch (data loading without the sleep, to be quick) and crashes
 right after a recover checkpoint; then the same job is started again, three ways, each in
-its own trial folder copied from that checkpoint:
+its own trial folder copied from that checkpoint (``--repeats`` times, interleaved; medians):
 
   fresh            a new run (no checkpoint): the baseline
   resume_sampler   RecoverCallback(fast_forward="sampler"), the default: indices of the
@@ -31,6 +31,7 @@ import logging
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -128,6 +129,7 @@ def main() -> None:
     p.add_argument("--at", type=float, default=0.9)
     p.add_argument("--getitem-ms", type=float, default=2.0)
     p.add_argument("--root", default=None, help="scratch folder (default: /dev/shm if present, else the temp dir)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each row (medians are reported)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     base = Path(args.root or tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
@@ -144,20 +146,26 @@ def main() -> None:
     except Crash:
         pass
     made = time.perf_counter() - made
-    for name in ("resume_sampler", "resume_replay"):
-        shutil.copytree(base / "ckpt", base / name)
 
     SlowData.sleep_s = args.getitem_ms / 1000
-    rows = [measure("fresh", None, args.batches, None),
-            measure("resume_sampler", base / "resume_sampler", args.batches, "sampler"),
-            measure("resume_replay", base / "resume_replay", args.batches, "replay")]
+    runs: dict[str, list[dict]] = {"fresh": [], "resume_sampler": [], "resume_replay": []}
+    for rep in range(args.repeats):  # interleaved; each resume from a fresh copy of the checkpoint
+        for name, mode in (("fresh", None), ("resume_sampler", "sampler"), ("resume_replay", "replay")):
+            root = None
+            if mode is not None:
+                root = base / f"{name}{rep}"
+                shutil.copytree(base / "ckpt", root)
+            runs[name].append(measure(name, root, args.batches, mode))
+    rows = [{"name": name, "repeats": len(found),
+             **{key: statistics.median(r[key] for r in found) for key in ("to_train_start_s", "to_first_batch_s")}}
+            for name, found in runs.items()]
     fresh = rows[0]
     for row in rows:
         row["load_s"] = row["to_train_start_s"] - fresh["to_train_start_s"]
         row["vs_fresh"] = row["to_first_batch_s"] / fresh["to_first_batch_s"]
     target = 1.5 * fresh["to_first_batch_s"] + rows[1]["load_s"]
     print(f"epoch of {args.batches} batches, resumed after {at} ({args.at:.0%}), __getitem__ {args.getitem_ms} ms; "
-          f"checkpoint folder {base} (making it took {made:.1f}s)")
+          f"checkpoint folder {base} (making it took {made:.1f}s); medians of {args.repeats}")
     print(f"{'run':<16}{'to_train_start_s':>18}{'to_first_batch_s':>18}{'load_s':>10}{'x fresh':>10}")
     for row in rows:
         print(f"{row['name']:<16}{row['to_train_start_s']:>18.3f}{row['to_first_batch_s']:>18.3f}"
