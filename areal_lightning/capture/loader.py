@@ -3,30 +3,37 @@
 Lightning restores the position only of loaders that have ``state_dict``/``load_state_dict``
 (torchdata ``StatefulDataLoader``); a plain ``DataLoader`` restarts mid-epoch at a fresh
 permutation. :class:`LoaderTracker` makes the train ``DataLoader`` objects resumable by
-giving each one a small subclass (same object, same arguments) whose ``__iter__``:
+giving each one a small subclass (same object, same arguments) whose ``__iter__`` and
+index sampler:
 
-- records the torch RNG state right before the iterator is created (from which it draws the
-  worker base seed, and with workers the ``RandomSampler`` permutation) and at its first
-  batch (from which a ``RandomSampler`` without workers draws its permutation), and
-- on the first ``iter()`` after a resume, sets the torch RNG back to those recorded states
-  and fast-forwards past the batches the interrupted run had already trained on.
+- record the torch RNG state right before the iterator is created (from which it draws the
+  worker base seed) and at the first draw of its sampler (from which a ``RandomSampler``
+  draws its permutation: at the first batch without workers, inside ``iter()`` with), and
+- on the first ``iter()`` after a resume, set the torch RNG back to those recorded states
+  and fast-forward past the batches the interrupted run had already trained on: at the
+  sampler (``fast_forward="sampler"``: the trained batches' indices are drawn and dropped,
+  not one sample is fetched), or by fetching them again (``"replay"``).
 
 So the resumed epoch yields the same batches in the same order, through the same worker
 seeds, as the uninterrupted run. At an epoch boundary nothing is skipped: the iterator of
-the next epoch is created from the RNG state saved with the checkpoint.
+the next epoch is created from the RNG state saved with the checkpoint. An
+``IterableDataset`` has no sampler: one with ``state_dict``/``load_state_dict`` iterated in
+this process gets its state from before its first untrained batch back (its state is kept
+per fetch: Lightning reads an unsized loader one batch ahead); one without is replayed.
 
 A ``StatefulDataLoader`` mid-epoch gets its own ``state_dict`` back (per rank, also when
-Lightning itself drops it, issue #20550); at an epoch boundary its exhausted state is
-dropped (Lightning would otherwise skip the next epoch) and the state of its sampler's
-generator is restored instead. Under DDP Lightning wraps its sampler into a
-``DistributedSamplerWrapper`` whose permutation the loader's state does not hold: such a
-loader is replayed like a plain one, its sampler's generator set back to where the epoch
-began (:func:`restores_itself`). A changed ``batch_size`` is refused.
+Lightning itself drops it, issue #20550; from before Lightning's read-ahead for unsized
+datasets); at an epoch boundary its exhausted state is dropped (Lightning would otherwise
+skip the next epoch) and the state of its sampler's generator is restored instead. Under
+DDP Lightning wraps its sampler into a ``DistributedSamplerWrapper`` whose permutation the
+loader's state does not hold: such a loader is replayed like a plain one, its sampler's
+generator set back to where the epoch began (:func:`restores_itself`). A changed
+``batch_size`` is refused.
 
-Limits: with ``num_workers=0``, randomness drawn from the global RNG inside
-``Dataset.__getitem__`` for the first batch after a mid-epoch resume is not replayed;
-``persistent_workers=True`` keeps one iterator across epochs and is exact only for resumes
-inside the first epoch of a process.
+Limits: with ``num_workers > 0``, randomness drawn from a worker's RNG in
+``Dataset.__getitem__`` is reproduced by ``fast_forward="replay"`` only (each worker's
+stream depends on the samples it processed); ``persistent_workers=True`` keeps one iterator
+across epochs and is exact only for resumes inside the first epoch of a process.
 """
 
 from __future__ import annotations
@@ -127,7 +134,6 @@ class _TrackedSampler:
         self._tracker._first_rng[self._index] = state
         yield first
         yield from indices
-
 
     def _fast_forward(self, count: int, first_rng: torch.Tensor) -> Iterator[Any]:
         """Draw the epoch's order from ``first_rng``, drop ``count`` batches, yield the rest.
