@@ -51,6 +51,8 @@ _EXPORTS = {
     "RankFailure": "areal_lightning.errors",
     "RecoverMismatchError": "areal_lightning.errors",
     "AreaLightningError": "areal_lightning.errors",
+    "Preempted": "areal_lightning.trigger.preempt",
+    "PREEMPTED_EXIT_CODE": "areal_lightning.trigger.preempt",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -95,4 +97,5 @@ if TYPE_CHECKING:
         StagingWaitCallback,
     )
     from areal_lightning.trigger.freq import FreqController
+    from areal_lightning.trigger.preempt import PREEMPTED_EXIT_CODE, Preempted
     from areal_lightning.trigger.step import StepInfo

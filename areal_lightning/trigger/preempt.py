@@ -94,6 +94,7 @@ class PreemptionWatch:
 
     @property
     def installed(self) -> bool:
+        """Whether the handlers are in place (between :meth:`install` and :meth:`uninstall`)."""
         return bool(self._previous)
 
     def install(self) -> None:
