@@ -732,3 +732,21 @@ def test_epoch_aggregated_training_metrics_continue_across_a_mid_epoch_resume(tm
     # epoch 0 was interrupted after step 7 (checkpoint of step 4): its aggregate covers all 10 batches
     assert logs["first"] == []
     assert logs["second"] == logs["ref"] and len(logs["ref"]) == 4
+
+
+def test_evaluator_info_records_the_validation_schedule_and_position(tmp_path) -> None:
+    import datetime
+
+    pl.seed_everything(0, verbose=False)
+    trainer([recover(tmp_path)], val_check_interval=4, num_sanity_val_steps=0, max_steps=8).fit(
+        ValNet(), plain_loader())
+    info = json.loads((trial(tmp_path) / "recover_info" / "evaluator_info.json").read_text())
+    # validations after steps 4 and 8; the last save is of step 8, taken after its validation
+    assert info["validations_completed"] == 2 and info["last_validation_global_step"] == 8
+    assert info["validated_at_this_step"] is True and info["val_check_batch"] == 4
+    # a time-based interval (a timedelta) is recorded as text, the save does not fail on it
+    pl.seed_everything(0, verbose=False)
+    trainer([recover(tmp_path / "t")], val_check_interval=datetime.timedelta(hours=1), num_sanity_val_steps=0,
+            max_epochs=1).fit(ValNet(), plain_loader())
+    info = json.loads((trial(tmp_path / "t") / "recover_info" / "evaluator_info.json").read_text())
+    assert isinstance(info["val_check_interval"], str)

@@ -215,17 +215,28 @@ class EvaluatorPosition:
         self.last_epoch = state.get("last_epoch")
 
 
+def _json_number(value: Any) -> Any:
+    """A schedule value for strict JSON: numbers as they are, infinity and anything else
+    (a ``timedelta`` interval) as text."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return value
+    return str(value)
+
+
 def evaluator_info(trainer: Any, evaluator: EvaluatorPosition) -> dict[str, Any]:
     """``evaluator_info.json``: the validation schedule and the run's position in it. A save
     is never taken between a batch and the validation due after it, so ``validated_at_this_step``
     tells whether that validation belongs to the checkpoint (it is then not run again)."""
     loop = trainer.fit_loop.epoch_loop
     return {
-        "val_check_interval": trainer.val_check_interval,
-        "val_check_batch": trainer.val_check_batch,
+        # A time-based interval (timedelta, "DD:HH:MM:SS", dict) leaves both unset on the Trainer.
+        "val_check_interval": _json_number(getattr(trainer, "val_check_interval", "time-based")),
+        "val_check_batch": _json_number(getattr(trainer, "val_check_batch", None)),
         "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
-        "limit_val_batches": trainer.limit_val_batches,
-        "num_sanity_val_steps": trainer.num_sanity_val_steps,
+        "limit_val_batches": _json_number(trainer.limit_val_batches),
+        "num_sanity_val_steps": _json_number(trainer.num_sanity_val_steps),
         "validations_completed": evaluator.completed,
         "last_validation_global_step": evaluator.last_global_step,
         "last_validation_epoch": evaluator.last_epoch,
