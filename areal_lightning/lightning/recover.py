@@ -16,7 +16,6 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from areal_lightning.capture.loader import FAST_FORWARD_MODES
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, validate_timeout
 from areal_lightning.commit.recover_store import RecoverStore
 from areal_lightning.config import (
@@ -144,16 +143,14 @@ class RecoverCallback(Callback):
             trial_name=trial_name,
             user=user,
             recover=RecoverConfig(mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps,
-                                  freq_secs=freq_secs, retries=retries),
+                                  freq_secs=freq_secs, retries=retries, preempt_signals=preempt_signals,  # type: ignore[arg-type]
+                                  fast_forward=fast_forward),
         ).validate()
         if io_mode not in IO_MODES:
             raise ConfigError("io_mode", f"unknown mode {io_mode!r}; allowed: {', '.join(IO_MODES)}")
         if on_resume is not None and not callable(on_resume):
             raise ConfigError("on_resume", f"expected a callable fn(trainer, module, step_info), got {on_resume!r}")
-        if fast_forward not in FAST_FORWARD_MODES:
-            raise ConfigError("fast_forward",
-                              f"unknown mode {fast_forward!r}; allowed: {', '.join(FAST_FORWARD_MODES)}")
-        signals = parse_signals(preempt_signals)
+        signals = parse_signals(exp.recover.preempt_signals)
         if isinstance(preempt_exit_code, bool) or not isinstance(preempt_exit_code, int) \
                 or not 1 <= preempt_exit_code <= 255:
             raise ConfigError("preempt_exit_code", f"expected an integer from 1 to 255, got {preempt_exit_code!r}")
@@ -171,12 +168,12 @@ class RecoverCallback(Callback):
         self.on_resume = on_resume
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self.gate = StepGate(self.freq)
-        self.fast_forward = fast_forward
+        self.fast_forward = exp.recover.fast_forward
         self.preempt = PreemptionWatch(signals)
         self.preempt_exit_code = preempt_exit_code
         self._stop_after_save = False
         self._requeue_signal: Any = None
-        self.state = RecoverState(self.freq, fast_forward)
+        self.state = RecoverState(self.freq, self.fast_forward)
         self.telemetry = Telemetry()
         self.resumed_from: StepInfo | None = None
         self._deferred: str | None = None  # a fired save waiting for the validation / epoch end after its batch
