@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 def is_stateful_loader(loader: Any) -> bool:
     """True for loaders Lightning saves and restores itself (``state_dict``/``load_state_dict``)."""
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    return _has_state(loader)
 
 
 def _index_sampler(loader: Any) -> Any:
@@ -308,8 +308,9 @@ def _has_len(loader: Any) -> bool:
     return True
 
 
-def _has_state(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+def _has_state(obj: Any) -> bool:
+    """Whether ``obj`` (a loader or a dataset) has ``state_dict`` and ``load_state_dict``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 class LoaderTracker:
