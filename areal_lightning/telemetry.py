@@ -2,9 +2,12 @@
 
 Metrics (``kind`` is ``hf`` or ``recover``):
 
-- ``checkpoint/{kind}/blocked_s``: how long the training loop was held by the save;
+- ``checkpoint/{kind}/blocked_s``: how long the training loop was held by the save (for a
+  sync save, its whole duration);
 - ``checkpoint/{kind}/write_s``: from the save's start until it was durable;
 - ``checkpoint/{kind}/bytes`` and ``checkpoint/{kind}/gbps`` (bytes / write_s);
+- recover saves also: ``checkpoint/recover/rank_bytes`` (what global rank 0 wrote itself) and
+  ``checkpoint/recover/hash_s`` (seconds its writer threads spent on checksums);
 - ``checkpoint/recover/age_s``: seconds since the last durable recover checkpoint (logged
   with the training metrics, at Lightning's ``log_every_n_steps``).
 
@@ -40,6 +43,10 @@ class SaveReport:
     blocked_s: float
     write_s: float
     nbytes: int
+    rank_bytes: int | None = None
+    """Bytes the reporting rank wrote itself (recover saves)."""
+    hash_s: float | None = None
+    """Seconds the reporting rank's writer threads spent hashing (recover saves)."""
 
     @property
     def gbps(self) -> float:
@@ -49,8 +56,13 @@ class SaveReport:
     def metrics(self) -> dict[str, float]:
         """The logger metrics of this save."""
         p = f"checkpoint/{self.kind}/"
-        return {p + "blocked_s": self.blocked_s, p + "write_s": self.write_s, p + "bytes": float(self.nbytes),
-                p + "gbps": self.gbps}
+        metrics = {p + "blocked_s": self.blocked_s, p + "write_s": self.write_s, p + "bytes": float(self.nbytes),
+                   p + "gbps": self.gbps}
+        if self.rank_bytes is not None:
+            metrics[p + "rank_bytes"] = float(self.rank_bytes)
+        if self.hash_s is not None:
+            metrics[p + "hash_s"] = self.hash_s
+        return metrics
 
 
 class Telemetry:
@@ -64,9 +76,12 @@ class Telemetry:
         """Note a finished save (thread-safe) and log its human line."""
         with self._lock:
             self._pending.append(report)
-        log.info("%s checkpoint %s: %.1f MB durable in %.2fs (%.2f GB/s), training held %.3fs",
+        extra = ""
+        if report.rank_bytes is not None and report.hash_s is not None:
+            extra = f"; this rank wrote {report.rank_bytes / 1e6:.1f} MB, {report.hash_s:.3f}s of it hashing"
+        log.info("%s checkpoint %s: %.1f MB durable in %.2fs (%.2f GB/s), training held %.3fs%s",
                  "HF" if report.kind == "hf" else "recover", report.path, report.nbytes / 1e6, report.write_s,
-                 report.gbps, report.blocked_s)
+                 report.gbps, report.blocked_s, extra)
 
     def flush(self, trainer: Any) -> None:
         """Send the recorded saves to ``trainer.loggers`` (call from the training thread)."""

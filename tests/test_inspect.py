@@ -155,7 +155,7 @@ def test_flipped_byte_in_shard_found_by_verify(root: Path) -> None:
     assert rc == 0 and doc["trials"][0]["recover"]["checkpoints"][0]["checksum"] == "not verified"
     rc, out, _ = cli(str(root), "--verify")
     assert rc == 1
-    assert "__0_0.distcp" in out and "CRC32" in out and "INVALID" in out
+    assert "__0_0.distcp" in out and "fails its CRC32C check in" in out and "INVALID" in out
     rc, doc = cli_json(str(root), "--verify")
     plain = next(t for t in doc["trials"] if t["trial_name"] == "plain")
     sharded = next(t for t in doc["trials"] if t["trial_name"] == "sharded")

@@ -254,7 +254,8 @@ def other_step(t: Path) -> Path:
 
 
 DAMAGE = {
-    "flipped-byte-in-shard": (damage_shard, "CRC32"),
+    # found at load, by the rank reading the item, which the message names
+    "flipped-byte-in-shard": (damage_shard, "fails its CRC32C check in '"),
     "truncated-shard": (truncate_shard, "truncated"),
     "truncated-metadata": (truncate_metadata, "truncated"),
     "missing-metadata": (delete_metadata, "missing"),

@@ -49,6 +49,7 @@ __all__ = [
     "publish_dir",
     "remove_dir",
     "atomic_write_json",
+    "write_json",
     "clean_leftovers",
     "clean_stale_tmp",
 ]
@@ -109,7 +110,9 @@ class CommitTarget(Protocol):
         ...
 
     def finalize(self) -> None:
-        """Make the written folder visible under its final name (idempotent)."""
+        """Make the written folder visible under its final name (idempotent). A target with a
+        ``written`` attribute is given the save's :class:`~areal_lightning.write.checksum.Written`
+        (its manifest) in it first."""
         ...
 
     def discard(self) -> None:
@@ -251,6 +254,16 @@ def clean_stale_tmp(parent: Path, keep: tuple[Path, ...] = ()) -> list[Path]:
     """Remove leftover ``.tmp-`` / ``.old-`` / ``.trash-`` folders of HF exports in ``parent``
     (never the recover checkpoint's, which live in the same model folder)."""
     return clean_leftovers(parent, is_export_tmp_name, keep)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` in place and fsync the file (not its folder): for files inside
+    a folder that is itself committed by a rename (see :class:`AtomicDir`)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

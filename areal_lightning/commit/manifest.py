@@ -1,31 +1,117 @@
-"""Commit: the manifest of a checkpoint, the size and checksum of every file it holds.
+"""Commit: the manifest of a recover checkpoint, and the checks of its files against it.
 
-``checkpoint_info.json`` lists ``{relative path: {"size", "crc32"}}`` of every file of the
-recover checkpoint; :meth:`~areal_lightning.commit.recover_store.RecoverStore.verify` and
-``areal-lightning inspect --verify`` check the files against it.
+``checkpoint_info.json``'s ``files`` lists every file of the DCP directory. Written by this
+version (``checksum: "crc32c"``), it is made from DCP's item table on rank 0 without reading
+any file (:func:`~areal_lightning.write.checksum.manifest_of`)::
+
+    "__0_0.distcp": {"size": 8391234, "items": 12}     # each item's CRC32C is in .metadata
+    ".metadata":    {"size": 20211, "crc32c": 3735928559}
+
+so the chain is manifest -> ``.metadata`` (its CRC32C) -> every item (its CRC32C, verified
+by the rank that loads it, as it reads it). Checkpoints of earlier versions list
+``{"size", "crc32"}`` (zlib, whole file) and are checked by a full pass.
+
+* :func:`check_files`: presence and sizes (``stat`` only), and ``.metadata``'s CRC32C:
+  what a resume checks before loading (metadata-sized work).
+* :func:`verify_files`: additionally every byte of every data file against its item CRC32C
+  (``areal-lightning inspect --verify``, :meth:`RecoverCallback.last_checkpoint`).
 """
 
 from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Any
 
-__all__ = ["file_checksums", "file_checksums_of"]
+from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.write.checksum import ALGORITHM, check_item, file_crc32c, read_item
+
+__all__ = ["check_files", "verify_files", "metadata_checksum", "LEGACY_ALGORITHM"]
+
+LEGACY_ALGORITHM = "crc32"
+"""Whole-file zlib CRC32 of manifests written before per-item checksums."""
 
 _CHUNK = 8 << 20
 
 
-def file_checksums_of(path: Path) -> dict[str, int]:
-    """``{"size", "crc32"}`` of one file."""
+def _zlib_crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
-    return {"size": path.stat().st_size, "crc32": crc}
+    return crc
 
 
-def file_checksums(root: Path) -> dict[str, dict[str, int]]:
-    """``{relative path: {"size", "crc32"}}`` of every file below ``root``."""
-    return {str(p.relative_to(root)): file_checksums_of(p) for p in sorted(root.rglob("*")) if p.is_file()}
+def metadata_checksum(ckpt_dir: Path, entry: dict[str, Any]) -> bool:
+    """Does ``ckpt_dir/.metadata`` have the checksum its manifest ``entry`` records?"""
+    path = ckpt_dir / COMMIT_MARKER
+    if isinstance(entry.get(ALGORITHM), int):
+        return file_crc32c(path) == entry[ALGORITHM]
+    return _zlib_crc32(path) == entry.get(LEGACY_ALGORITHM)
 
 
+def check_files(ckpt_dir: Path, files: dict[str, Any], where: Path, hint: str, *, data: bool | None = None) -> int:
+    """Check the checkpoint ``ckpt_dir`` against its manifest ``files``; return bytes read.
+
+    Every file must exist with its recorded size, and ``.metadata`` must match its checksum.
+    ``data=True`` also reads every data file and checks each item (or, for a legacy
+    manifest, each whole file); ``None`` (what a load needs) does so for legacy manifests
+    only: their files carry no item checksums a load could verify. Raises :class:`CheckpointCorruptError`
+    naming the first missing, truncated or altered file (``where``: the manifest's path,
+    ``hint``: what to do)."""
+    if COMMIT_MARKER not in files:
+        raise CheckpointCorruptError(f"{where} lists no {COMMIT_MARKER}")
+    legacy = not isinstance(files[COMMIT_MARKER], dict) or ALGORITHM not in files[COMMIT_MARKER]
+    nbytes = 0
+    for rel, want in sorted(files.items()):
+        path = ckpt_dir / rel
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int) or (
+                legacy and not isinstance(want.get(LEGACY_ALGORITHM), int)):
+            raise CheckpointCorruptError(f"{where}: bad entry for {rel!r}: {want!r}")
+        if not path.is_file():
+            raise CheckpointCorruptError(f"{path} is missing: {hint}.")
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise CheckpointCorruptError(f"{path} has {size} bytes, expected {want['size']} (truncated?): {hint}.")
+        if rel == COMMIT_MARKER:
+            ok = metadata_checksum(ckpt_dir, want)
+        elif legacy and data is not False:
+            ok = _zlib_crc32(path) == want[LEGACY_ALGORITHM]
+        else:
+            continue
+        nbytes += size
+        if not ok:
+            name = LEGACY_ALGORITHM.upper() if legacy else ALGORITHM.upper()
+            raise CheckpointCorruptError(f"{path} fails its {name} check (content altered): {hint}.")
+    if data and not legacy:
+        nbytes += verify_files(ckpt_dir, hint)
+    return nbytes
+
+
+def verify_files(ckpt_dir: Path, hint: str) -> int:
+    """Read every item of every data file once, in offset order, checking length and CRC32C
+    (the offline check; loads verify what they read themselves; an item without a recorded
+    checksum is checked by length only). Returns bytes read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{ckpt_dir / COMMIT_MARKER} is unreadable ({exc!r}): {hint}.") from exc
+    by_file: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        by_file.setdefault(info.relative_path, []).append((info, index))
+    nbytes = 0
+    for rel, entries in sorted(by_file.items()):
+        path = ckpt_dir / rel
+        entries.sort(key=lambda entry: entry[0].offset)
+        with open(path, "rb") as f:
+            for info, index in entries:
+                try:
+                    data = read_item(f, path, info, index.fqn)
+                    check_item(data, path, info, index.fqn)
+                    nbytes += len(data)
+                except CheckpointCorruptError as exc:
+                    raise CheckpointCorruptError(f"{str(exc).split('; the checkpoint is damaged')[0]}: {hint}.") from None
+    return nbytes

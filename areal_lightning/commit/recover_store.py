@@ -7,7 +7,8 @@ On disk (SPEC §4)::
 
 A save writes the new DCP directory and the new ``recover_info`` beside the current ones
 (``.tmp-recover_checkpoint-{gen}``, ``.tmp-recover_info-{gen}``; ``checkpoint_info.json``,
-holding size and CRC32 of every file, is written last and fsynced), then swaps them in by
+holding the manifest of every file (:mod:`areal_lightning.commit.manifest`), is renamed in
+last), then swaps them in by
 four renames: two :class:`~areal_lightning.commit.atomic.AtomicDir` commits with the
 generation as their token, run after the DCP save returned. A crash at any instant leaves
 either the old pair, or a complete new pair that :meth:`RecoverStore.repair` rolls forward
@@ -35,9 +36,11 @@ from areal_lightning.commit.atomic import (
     atomic_write_json,
     clean_leftovers,
     fsync_dir,
+    write_json,
 )
-from areal_lightning.commit.manifest import file_checksums, file_checksums_of
+from areal_lightning.commit.manifest import check_files, metadata_checksum
 from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.write.checksum import ALGORITHM, Written
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     COMMIT_MARKER,
@@ -154,11 +157,11 @@ class RecoverStore:
         return self.commits(gen)[1].tmp
 
     def target(self, gen: str, info: dict[str, dict[str, Any]],
-               on_committed: Callable[[dict[str, dict[str, int]]], None] | None = None) -> "RecoverCommit":
+               on_committed: Callable[[Written], None] | None = None) -> "RecoverCommit":
         """The :class:`~areal_lightning.commit.atomic.CommitTarget` of save ``gen``
         (``DCPCheckpointIO``'s ``storage_options``): the DCP files go to
         :meth:`tmp_ckpt_dir`, and its ``finalize`` is :meth:`commit` (then
-        ``on_committed(files)``)."""
+        ``on_committed(written)``)."""
         return RecoverCommit(self, gen, info, on_committed)
 
     def clean_stale(self) -> None:
@@ -166,13 +169,14 @@ class RecoverStore:
         for final in (self.ckpt_dir, self.info_dir):
             clean_leftovers(final.parent, lambda name, final=final: _is_leftover_of(name, final.name))
 
-    def commit(self, gen: str, info: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    def commit(self, gen: str, info: dict[str, dict[str, Any]], files: dict[str, dict[str, int]]) -> None:
         """Publish the committed DCP directory of save ``gen`` with its ``recover_info``.
 
         Runs once the DCP save has returned (for an async save, in the background), on
-        rank 0. ``info`` maps each of :data:`INFO_FILES` to its content; the file list with
-        sizes and checksums and the commit time are added to ``checkpoint_info.json`` here.
-        Returns that file list.
+        rank 0, and touches metadata only: ``info`` maps each of :data:`INFO_FILES` to its
+        content; ``files`` (the manifest the DCP writer built, see
+        :mod:`areal_lightning.commit.manifest`) and the commit time are added to
+        ``checkpoint_info.json`` here. No checkpoint file is read.
         """
         tmp_ckpt = self.tmp_ckpt_dir(gen)
         if not (tmp_ckpt / COMMIT_MARKER).is_file():
@@ -182,20 +186,25 @@ class RecoverStore:
         checkpoint_info = dict(info[CHECKPOINT_INFO])
         checkpoint_info.update(
             generation=gen,
-            files=file_checksums(tmp_ckpt),
+            checksum=ALGORITHM,
+            files=files,
             commit_time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
         )
         tmp_info = self.commits(gen)[1].create()
+        # The folder is invisible until its rename: the other files are written in place
+        # (each fsynced), one folder fsync makes them durable, and checkpoint_info.json, whose
+        # presence marks the folder complete (pending_swap), is renamed in last.
         for name in INFO_FILES:
-            content = checkpoint_info if name == CHECKPOINT_INFO else info[name]
             if name == CHECKPOINT_INFO:
-                fault_point("recover.info.before_checkpoint_info")
-            atomic_write_json(tmp_info / name, content)
+                continue
+            write_json(tmp_info / name, info[name])
             fault_point("recover.info.after_file")
-        fsync_dir(tmp_info)
+        fsync_dir(tmp_info)  # the files above are durable before checkpoint_info.json can be
+        fault_point("recover.info.before_checkpoint_info")
+        atomic_write_json(tmp_info / CHECKPOINT_INFO, checkpoint_info)  # fsyncs tmp_info after the rename
+        fault_point("recover.info.after_file")
         fault_point("recover.swap.begin")
         self._finish_swap(gen)
-        return checkpoint_info["files"]
 
     def _finish_swap(self, gen: str) -> None:
         """Idempotently move the new pair of ``gen`` into place (also used by :meth:`repair`):
@@ -249,10 +258,10 @@ class RecoverStore:
         """Does ``recover_checkpoint/`` hold the checkpoint described by the temporary info of ``gen``?"""
         try:
             want = json.loads((self.tmp_info_dir(gen) / CHECKPOINT_INFO).read_text())["files"][COMMIT_MARKER]
-            have = file_checksums_of(self.ckpt_dir / COMMIT_MARKER)
+            return (self.ckpt_dir / COMMIT_MARKER).stat().st_size == want["size"] and \
+                metadata_checksum(self.ckpt_dir, want)
         except (OSError, ValueError, KeyError, TypeError):
             return False
-        return have == want
 
     def exists(self) -> bool:
         """True when ``recover_info/`` exists (a recover checkpoint is expected)."""
@@ -287,37 +296,23 @@ class RecoverStore:
             )
         return info
 
-    def verify(self, checkpoint_info: dict[str, Any], crc: bool = True) -> int:
-        """Check every file of the checkpoint against ``checkpoint_info``; return bytes checked.
+    def verify(self, checkpoint_info: dict[str, Any], data: bool | None = True) -> int:
+        """Check the checkpoint's files against ``checkpoint_info``; return bytes read.
 
         Raises :class:`CheckpointCorruptError` naming the first missing, truncated or
-        altered file (a partial checkpoint is never loaded). ``crc=False`` checks presence
-        and sizes only (no read of the data).
+        altered file (a partial checkpoint is never loaded). ``data=True`` reads every data
+        file (the offline check); ``False`` checks presence, sizes and ``.metadata``'s
+        checksum; ``None`` is what a resume needs: that, and the full pass only for
+        checkpoints of earlier versions, whose items carry no checksum the load could verify
+        (see :func:`~areal_lightning.commit.manifest.check_files`).
         """
         if not self.ckpt_dir.is_dir():
             raise CheckpointCorruptError(
                 f"{self.ckpt_dir} is missing although {self.info_dir} describes a checkpoint after "
                 f"{checkpoint_info['global_step']} steps; delete {self.info_dir} to start fresh."
             )
-        expected: dict[str, dict[str, int]] = checkpoint_info["files"]
-        if COMMIT_MARKER not in expected:
-            raise CheckpointCorruptError(f"{self.info_dir / CHECKPOINT_INFO} lists no {COMMIT_MARKER}")
-        total = 0
-        for rel, want in sorted(expected.items()):
-            path = self.ckpt_dir / rel
-            hint = f"the recover checkpoint is damaged; restore the file or delete {self.info_dir} to start fresh"
-            if not isinstance(want, dict) or not isinstance(want.get("size"), int) or (
-                    crc and not isinstance(want.get("crc32"), int)):
-                raise CheckpointCorruptError(f"{self.info_dir / CHECKPOINT_INFO}: bad entry for {rel!r}: {want!r}")
-            if not path.is_file():
-                raise CheckpointCorruptError(f"{path} is missing: {hint}.")
-            size = path.stat().st_size
-            if size != want["size"]:
-                raise CheckpointCorruptError(f"{path} has {size} bytes, expected {want['size']} (truncated?): {hint}.")
-            if crc and file_checksums_of(path)["crc32"] != want["crc32"]:
-                raise CheckpointCorruptError(f"{path} fails its CRC32 check (content altered): {hint}.")
-            total += size
-        return total
+        hint = f"the recover checkpoint is damaged; restore the file or delete {self.info_dir} to start fresh"
+        return check_files(self.ckpt_dir, checkpoint_info["files"], self.info_dir / CHECKPOINT_INFO, hint, data=data)
 
 
 def _is_leftover_of(name: str, final: str) -> bool:
@@ -331,12 +326,13 @@ class RecoverCommit:
     the pair in (:meth:`RecoverStore.commit`). ``files`` holds the committed file list."""
 
     def __init__(self, store: RecoverStore, gen: str, info: dict[str, dict[str, Any]],
-                 on_committed: Callable[[dict[str, dict[str, int]]], None] | None = None) -> None:
+                 on_committed: Callable[[Written], None] | None = None) -> None:
         self.store, self.gen, self.info = store, gen, info
         self.on_committed = on_committed
         self.final = store.ckpt_dir
         self.tmp = store.tmp_ckpt_dir(gen)
-        self.files: dict[str, dict[str, int]] | None = None
+        self.written: Written | None = None
+        """What the DCP save wrote (its manifest included), set by the writer before :meth:`finalize`."""
 
     def create(self) -> Path:
         """Create the temporary DCP folder of this save."""
@@ -344,9 +340,12 @@ class RecoverCommit:
 
     def finalize(self) -> None:
         """Write ``recover_info`` and swap the new pair in (rank 0, after the DCP save returned)."""
-        self.files = self.store.commit(self.gen, self.info)
+        if self.written is None or self.written.files is None:
+            raise CheckpointCorruptError(f"{self.tmp}: the DCP save returned no manifest; the previous recover "
+                                         "checkpoint stays in place")
+        self.store.commit(self.gen, self.info, self.written.files)
         if self.on_committed is not None:
-            self.on_committed(self.files)
+            self.on_committed(self.written)
 
     def discard(self) -> None:
         """Leave the leftovers to :meth:`RecoverStore.clean_stale` at the next save."""

@@ -10,7 +10,8 @@ and call DCP themselves. :func:`install_bridge` replaces the strategy instance's
   the ranks by DCP's de-duplication; sharded (FSDP1 ``ShardedTensor``/``DTensor``, FSDP2
   ``DTensor``) tensors are written by the rank that holds each shard -- no rank gathers the
   full model. The non-tensor part of the checkpoint is written by rank 0 only.
-* **loads** are rank-local reads of the shared directory into a template: the live sharded
+* **loads** are rank-local reads of the shared directory into a template (each rank
+  verifies the checksum of every item it reads; a failure on one rank is raised on all): the live sharded
   model and optimizer state for FSDP / ModelParallel (so DCP reshards to the current world
   size), freshly allocated tensors otherwise. For sharded strategies the loaded model and
   optimizer states are applied with torch's ``set_model_state_dict`` /
@@ -153,10 +154,21 @@ def install_bridge(strategy: Strategy, io: Any) -> None:
         # save into place, and the agreement below lets no rank read before it did.
         io.engine.join(checkpoint_path)
         path = common_path(checkpoint_path, "checkpoint load", repair=True)
-        if not sharded:
-            return io.load_checkpoint(path, weights_only=weights_only)
-        checkpoint = io.load_checkpoint(path, weights_only=weights_only, template=_sharded_template(strategy))
-        _apply_sharded(strategy, checkpoint)
+        template = _sharded_template(strategy) if sharded else None  # collective (FSDP1)
+        error: BaseException | None = None
+        checkpoint: dict[str, Any] = {}
+        try:
+            checkpoint = io.load_checkpoint(path, weights_only=weights_only, template=template)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            if strategy.world_size == 1:
+                raise
+            error = exc
+        if strategy.world_size > 1:
+            # Each rank verified what it read (e.g. rank 1 alone reads its FSDP shards): a
+            # damaged file stops every rank here, before the next collective (FSDP's load hooks).
+            io.engine.ranks.agree(error, f"checkpoint load of {path}")
+        if sharded:
+            _apply_sharded(strategy, checkpoint)
         return checkpoint
 
     strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]

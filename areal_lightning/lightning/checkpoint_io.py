@@ -59,6 +59,7 @@ from areal_lightning.errors import ConfigError
 from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
 from areal_lightning.lightning.bridge import install_bridge
+from areal_lightning.write.checksum import Written
 from areal_lightning.write.dcp import DCPEngine
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class DCPCheckpointIO(CheckpointIO):
         lead = not self._engine.is_collective() or dist.get_rank() == 0
         try:
             self._engine.save(checkpoint, target.tmp, asynchronous=asynchronous, label=target.final,
-                              prepare=target.create, then=target.finalize if lead else None)
+                              prepare=target.create, then=_publisher(target) if lead else None)
         except BaseException:
             if lead:
                 target.discard()  # a failed sync save (or one that failed to start) leaves nothing behind
@@ -222,6 +223,19 @@ class DCPCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait for the save in flight, free staging buffers, raise a stored failure."""
         self._engine.close()
+
+
+def _publisher(target: CommitTarget) -> Any:
+    """The engine's ``then`` for ``target``: a target with a ``written`` attribute (the
+    recover commit) first receives what the save wrote, its manifest included; then
+    ``finalize``."""
+
+    def publish(written: Written) -> None:
+        if hasattr(target, "written"):
+            target.written = written
+        target.finalize()
+
+    return publish
 
 
 class CheckpointDir(AtomicDir):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -170,16 +171,21 @@ class RecoverSession:
             self.last_durable = _parse_time(ckpt.get("commit_time"))
             # The non-tensor state is unpickled with weights_only=True unless the user opted out
             # (hyper-parameters holding arbitrary objects; see the README's security note).
-            original(str(plan.path), self.cb.weights_only)
+            try:
+                original(str(plan.path), self.cb.weights_only)
+            except CheckpointCorruptError as exc:
+                raise CheckpointCorruptError(f"{exc} (or delete {self.store.info_dir} to start fresh)") from exc
             loaded = loaded_checkpoint(trainer).get("global_step")
             if loaded != ckpt["global_step"]:
                 raise CheckpointCorruptError(
                     f"{plan.path} holds global step {loaded}, but {self.store.info_dir} describes "
                     f"global step {ckpt['global_step']}; delete {self.store.info_dir} to start fresh")
             step = plan.info[STEP_INFO]
+            read = self.io.engine.last_read
             log.info("RecoverCallback: resuming from %s after global step %d (epoch %d, step %d in epoch); "
-                     "checksums of %.1f MB verified in %.2fs", plan.path, step["global_step"], step["epoch"],
-                     step["epoch_step"], plan.verified_bytes / 1e6, plan.verify_s)
+                     "this rank read and verified %.1f MB (%d items, %.3fs hashing)", plan.path, step["global_step"],
+                     step["epoch"], step["epoch_step"], (read.nbytes if read else 0) / 1e6,
+                     read.verified if read else 0, read.verify_s if read else 0.0)
 
         return resume_start
 
@@ -248,18 +254,36 @@ class RecoverSession:
         # 0 alone publishes it with recover_info once DCP returned. A failure on any rank so
         # far stops every rank here.
         gen = self.ranks.agree(error, f"recover checkpoint of global step {steps}", gen)[0]
-        held = self._held = {"call": 0.0}
+        held = self._held = {}
+        done: dict[str, Any] = {}
+        lock = threading.Lock()
 
-        def committed(files: dict[str, dict[str, int]]) -> None:
-            self.last_durable = time.time()
+        def report() -> None:
+            """Once the save is durable (rank 0's publish ran) and the call returned."""
+            if "call" not in held or "written" not in done or done.get("reported"):
+                return
+            done["reported"] = True
+            written = done["written"]
             self.telemetry.record(SaveReport(
                 "recover", steps, str(self.store.ckpt_dir), held["call"] + held.get("staging_wait", 0.0),
-                time.perf_counter() - start, sum(f["size"] for f in files.values())))
+                done["durable_s"], sum(f["size"] for f in written.files.values()), written.nbytes, written.hash_s))
+
+        def committed(written: Any) -> None:  # rank 0, after the publish (in the background when async)
+            self.last_durable = time.time()
+            with lock:
+                done.update(written=written, durable_s=time.perf_counter() - start)
+                report()
 
         target = self.store.target(gen, info, on_committed=committed)
         with self.state.saving(trainer, boundary, self.ranks):
             trainer.save_checkpoint(self.store.ckpt_dir, weights_only=False, storage_options=target)
-        held["call"] = time.perf_counter() - start
+        with lock:
+            held["call"] = time.perf_counter() - start  # a sync save: its whole duration
+            report()
+        written = self.io.engine.last_written
+        if written is not None and not trainer.is_global_zero and self.io.resolved_mode == "sync":
+            log.debug("recover checkpoint of global step %d: rank %d wrote %.1f MB, %.3fs of it hashing",
+                      steps, trainer.global_rank, written.nbytes / 1e6, written.hash_s)
 
     def wait_for_staging(self) -> None:
         """Before an optimizer step: wait until an async save no longer reads the weights."""

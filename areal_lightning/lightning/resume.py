@@ -2,7 +2,8 @@
 
 * :func:`plan_resume` (rank 0): finish an interrupted swap, read and validate
   ``recover_info/``, check the run is the same one (experiment, trial, strategy family),
-  verify every file against the manifest; the result is a :class:`ResumePlan` or ``None``
+  check every file's presence and size and ``.metadata``'s checksum against the manifest
+  (the data itself is verified by each rank as it loads it); the result is a :class:`ResumePlan` or ``None``
   (a fresh start). :func:`agreed_plan` gives every rank rank 0's plan, or its error.
 * :func:`continue_logger_versions`: point each logger back at the version the checkpointed
   run logged into (Lightning made a new empty one before any callback ran).
@@ -37,8 +38,10 @@ class ResumePlan:
 
     path: Path
     info: dict[str, dict[str, Any]]
-    verified_bytes: int
-    verify_s: float
+    checked_bytes: int
+    """Bytes rank 0 read to check the files before loading (``.metadata``; all of a
+    checkpoint of an earlier version, whose items carry no checksums)."""
+    check_s: float
 
 
 def strategy_family(strategy: Any) -> str:
@@ -81,7 +84,7 @@ def plan_resume(store: RecoverStore, experiment: ExperimentConfig, trainer: Any)
                     "(%s): DCP reshards model and optimizer; the dataloader position is mapped by samples consumed",
                     ckpt["world_size"], ckpt["strategy"], trainer.world_size, strategy)
     start = time.perf_counter()
-    nbytes = store.verify(ckpt)
+    nbytes = store.verify(ckpt, data=None)  # presence, sizes, .metadata: each rank verifies what it loads
     return ResumePlan(store.ckpt_dir, info, nbytes, time.perf_counter() - start)
 
 

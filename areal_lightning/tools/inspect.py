@@ -7,7 +7,8 @@ For each trial (``{fileroot}/checkpoints/{user}/{experiment}/{trial}``) it repor
   weights named by ``model.safetensors`` or by ``model.safetensors.index.json`` are all
   present, and each safetensors file is as long as its header says);
 - the recover checkpoint: step, world size, strategy, size, age and, with ``verify=True``,
-  the size and CRC32 of every file against ``recover_info/checkpoint_info.json``
+  the size of every file against ``recover_info/checkpoint_info.json`` and the CRC32C of every
+  item of every file (each recorded in ``.metadata`` when it was written)
   (without it, file presence and sizes only);
 - the consistency of ``recover_info/`` (every file present and valid JSON, ``step_info``
   matching ``checkpoint_info``), through :meth:`RecoverStore.read_info`;
@@ -329,7 +330,7 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
                     store.verify(ckpt_info)
                     entry["checksum"] = "ok"
                 else:
-                    store.verify(ckpt_info, crc=False)
+                    store.verify(ckpt_info, data=False)
                     entry["checksum"] = "not verified"
                 entry["valid"] = True
             except CheckpointCorruptError as exc:
@@ -418,7 +419,7 @@ def inspect_trial(trial_dir: str | os.PathLike[str], verify: bool = False) -> di
 
     Args:
         trial_dir: the trial folder.
-        verify: also check the size and CRC32 of every recover checkpoint file (reads it all).
+        verify: also check the CRC32C of every item of every recover checkpoint file (reads it all).
 
     Returns:
         A JSON-serialisable dict: ``trial_dir``, ``user``, ``experiment_name``, ``trial_name``,

@@ -62,16 +62,19 @@ trusted storage (``weights_only=True`` restricts the skeleton like ``torch.load`
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import pickle
 import shutil
+import time
 import types
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -108,6 +111,14 @@ from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to, cuda_device
 from areal_lightning.stage.worker import BackgroundWorker
+from areal_lightning.write.checksum import (
+    ChecksumLog,
+    HashingStream,
+    Written,
+    check_item,
+    manifest_of,
+    read_item,
+)
 from areal_lightning.write.dcp_format import (
     SKELETON_KEY,
     SlotUnpickler,
@@ -138,56 +149,79 @@ _IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]" = weakref.WeakV
 
 
 class _CommitWriter(FileSystemWriter):
-    """``FileSystemWriter`` that fsyncs the directory after DCP's atomic ``.metadata``
-    rename and exposes the engine's fault points. Nothing else runs inside DCP's save:
-    publishing (a commit target's ``finalize``) runs after ``dcp.save`` has returned."""
+    """``FileSystemWriter`` that checksums every item in the writer threads as it is written
+    (:mod:`areal_lightning.write.checksum`), fsyncs the directory after DCP's atomic
+    ``.metadata`` rename and exposes the engine's fault points. Nothing else runs inside
+    DCP's save: publishing (a commit target's ``finalize``) runs after ``dcp.save`` returned.
+
+    ``checksums.written`` says what this rank wrote; on the coordinator its ``files`` is the
+    manifest, built from DCP's item table and the hashed ``.metadata`` (no file is read)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._device = cuda_device()  # of the training thread (an async save runs in DCP's thread)
+        self.checksums = ChecksumLog()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         bind_thread_to(self._device)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         fault_point("engine.after_staging")
 
+    @contextlib.contextmanager
+    def _hashed(self, on_closed: Callable[[str, HashingStream], None]) -> Any:
+        """For the duration of the block, every stream this writer's FileSystem creates is a
+        :class:`HashingStream`, handed to ``on_closed(name, stream)`` once written and closed."""
+        create_stream = self.fs.create_stream
+
+        @contextlib.contextmanager
+        def hashing(path: Any, mode: str) -> Any:
+            with create_stream(path, mode) as raw:
+                stream = HashingStream(raw)
+                yield stream
+                stream.close()
+            on_closed(Path(path).name, stream)
+
+        self.fs.create_stream = hashing  # this writer's own FileSystem, for this call only
+        try:
+            yield
+        finally:
+            del self.fs.create_stream
+
     def write_data(self, plan: Any, planner: Any) -> Any:
         from areal_lightning._fault import fault_enabled
-
-        if not fault_enabled():
-            return super().write_data(plan, planner)
-        import contextlib
 
         # Fault point "engine.after_shard_file" after each shard file is written, fsynced and
         # closed. DCP writes the files from its writer threads (and an async save runs this in
         # a background thread): a "kill" SIGKILLs the whole process from any of them; a
         # "raise" in a writer thread is re-raised here, so the save fails as a whole.
         errors: list[BaseException] = []
-        create_stream = self.fs.create_stream
+        faults = fault_enabled()
 
-        @contextlib.contextmanager
-        def stream_then_fault(path: Any, mode: str) -> Any:
-            with create_stream(path, mode) as stream:
-                yield stream
-            try:
-                fault_point("engine.after_shard_file")
-            except BaseException as exc:
-                errors.append(exc)
-                raise
+        def closed(name: str, stream: HashingStream) -> None:
+            self.checksums.add(name, stream)
+            if faults:
+                try:
+                    fault_point("engine.after_shard_file")
+                except BaseException as exc:
+                    errors.append(exc)
+                    raise
 
-        self.fs.create_stream = stream_then_fault  # this writer's own FileSystem, for this call only
-        try:
+        with self._hashed(closed):
             result = super().write_data(plan, planner)
-        finally:
-            del self.fs.create_stream
         if errors:
             raise errors[0]
+        self.checksums.attach(result.value())
         return result
 
     def finish(self, metadata: Metadata, results: list) -> None:
         fault_point("engine.before_commit")
-        super().finish(metadata, results)
+        streams: dict[str, HashingStream] = {}
+        with self._hashed(streams.__setitem__):
+            super().finish(metadata, results)
         fsync_dir(Path(self.path))
+        (name, stream), = streams.items()  # the .metadata written (as a tmp file, then renamed)
+        self.checksums.written.nbytes += stream.pos
+        self.checksums.written.files = manifest_of(metadata.storage_data, stream, COMMIT_MARKER)
         fault_point("engine.after_commit")
 
 
@@ -245,37 +279,27 @@ class _TemplateLoadPlanner(DefaultLoadPlanner):
         self.commit_tensor(read_item, target)
 
 
-class _Slice(io.RawIOBase):
-    """Read-only view of ``length`` bytes at ``offset`` of a binary file (for ``torch.load``)."""
+@dataclass
+class Read:
+    """What one rank read in a load: ``nbytes`` of checkpoint items, ``verified`` of them
+    against their recorded CRC32C, in ``verify_s`` seconds of hashing."""
 
-    def __init__(self, file: io.BufferedIOBase, offset: int, length: int) -> None:
-        super().__init__()
-        self._file, self._offset, self._length = file, offset, length
-        self._file.seek(offset)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._file.tell() - self._offset
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.tell(), os.SEEK_END: self._length}[whence]
-        self._file.seek(self._offset + base + pos)
-        return self.tell()
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")[: max(0, self._length - self.tell())]
-        return self._file.readinto(view) if len(view) else 0
+    nbytes: int = 0
+    verified: int = 0
+    verify_s: float = 0.0
 
 
 class _AdoptingReader(FileSystemReader):
-    """``FileSystemReader`` that reads each file in offset order and hands every loaded
-    tensor to :meth:`_TemplateLoadPlanner.load_tensor`, so tensors the engine allocated
-    are not copied a second time (DCP's reader always copies into the template)."""
+    """``FileSystemReader`` that reads each file in offset order, verifies every item's bytes
+    as it reads them (:func:`~areal_lightning.write.checksum.read_item`: length and CRC32C,
+    naming the file and the key), and hands every loaded tensor to
+    :meth:`_TemplateLoadPlanner.load_tensor`, so tensors the engine allocated are not copied
+    a second time (DCP's reader always copies into the template)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stats = Read()
+        self.failure: CheckpointCorruptError | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture:
         infos = [self.storage_data[item.storage_index] for item in plan.items]
@@ -286,24 +310,34 @@ class _AdoptingReader(FileSystemReader):
             per_file.setdefault(info.relative_path, []).append((info, item))
         for relative_path, entries in per_file.items():
             entries.sort(key=lambda entry: entry[0].offset)
-            with open(Path(self.path) / relative_path, "rb") as file:
+            path = Path(self.path) / relative_path
+            with open(path, "rb") as file:
                 for info, item in entries:
-                    data = _Slice(file, info.offset, info.length)
+                    key = item.storage_index.fqn
+                    try:
+                        data = read_item(file, path, info, key)
+                        start = time.perf_counter()
+                        self.stats.verified += check_item(data, path, info, key)
+                        self.stats.verify_s += time.perf_counter() - start
+                    except CheckpointCorruptError as exc:
+                        self.failure = exc  # raised as itself by DCPEngine.load (DCP wraps it)
+                        raise
+                    self.stats.nbytes += len(data)
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(data.read()))
+                        planner.load_bytes(item, io.BytesIO(data))
                         continue
-                    tensor = torch.load(data, map_location="cpu", weights_only=True)
-                    for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    for dim, (begin, size) in enumerate(zip(item.storage_offsets, item.lengths)):
                         if size < tensor.size(dim):
-                            tensor = tensor.narrow(dim, start, size)
+                            tensor = tensor.narrow(dim, begin, size)
                     planner.load_tensor(item, tensor)
         done: TorchFuture = TorchFuture()
         done.set_result(None)
         return done
 
 
-def _then(upload: Future, then: Callable[[], None] | None, what: str) -> Future:
-    """A future that completes once ``upload`` did and ``then()`` ran after it (in the
+def _then(upload: Future, then: Callable[[Written], None] | None, what: str, written: Written) -> Future:
+    """A future that completes once ``upload`` did and ``then(written)`` ran after it (in the
     thread completing ``upload``: DCP's background thread); a failure of either becomes a
     :class:`CheckpointWriteError` naming the save (``what``: its path and where it was written)."""
     done: Future = Future()
@@ -312,7 +346,7 @@ def _then(upload: Future, then: Callable[[], None] | None, what: str) -> Future:
         try:
             finished.result()
             if then is not None:
-                then()
+                then(written)
         except BaseException as exc:  # noqa: BLE001 - stored in the future, raised by wait()
             error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
             error.__cause__ = exc
@@ -383,6 +417,10 @@ class DCPEngine:
         """The dedicated gloo group (with its own timeout) of collective saves."""
         self._worker = BackgroundWorker("areal-dcp")
         self._local_group: dist.ProcessGroup | None = None
+        self.last_written: Written | None = None
+        """What this rank wrote in the last save (:class:`~areal_lightning.write.checksum.Written`)."""
+        self.last_read: Read | None = None
+        """What this rank read in the last load (:class:`Read`)."""
 
     @property
     def in_flight(self) -> str | None:
@@ -400,7 +438,7 @@ class DCPEngine:
         path: PathLike,
         *,
         asynchronous: bool = False,
-        then: Callable[[], None] | None = None,
+        then: Callable[[Written], None] | None = None,
         label: PathLike | None = None,
         prepare: Callable[[], Any] | None = None,
     ) -> None:
@@ -449,9 +487,10 @@ class DCPEngine:
                 dcp.save(flat, storage_writer=writer, planner=_flat_save_planner(), **self._dist_kwargs(background=False))
             except (Exception, CheckpointException) as exc:
                 raise CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}") from exc
+            self.last_written = writer.checksums.written
             try:
                 if then is not None:
-                    then()
+                    then(writer.checksums.written)
             except BaseException as exc:  # noqa: BLE001 - raised below (on every rank when collective)
                 error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
                 error.__cause__ = exc
@@ -483,7 +522,8 @@ class DCPEngine:
             upload, staged = response.upload_completion, response.staging_completion
         else:  # the stager copied synchronously
             upload, staged = response, None
-        self._worker.track(label, _then(upload, then, what), staged)
+        self._worker.track(label, _then(upload, then, what, writer.checksums.written), staged)
+        self.last_written = writer.checksums.written  # filled in as the background save runs
         _IN_FLIGHT[str(Path(label).resolve())] = self._worker
 
     def wait_for_staging(self) -> None:
@@ -556,11 +596,15 @@ class DCPEngine:
                     flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
                     allocated.add(fqn)
         planner = _TemplateLoadPlanner(weights_only, allocated)
+        reader = _AdoptingReader(path)
+        self.last_read = reader.stats
         try:
             # Always rank-local: every rank reads the shared directory into its own template
             # (DCP reshards from the saved chunks), so loads need no collective.
-            dcp.load(flat, storage_reader=_AdoptingReader(path), planner=planner, no_dist=True)
+            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
         except (Exception, CheckpointException) as exc:
+            if reader.failure is not None:
+                raise reader.failure from None
             if planner.refused is not None:
                 raise pickle.UnpicklingError(
                     f"{path}: the checkpoint's non-tensor state is refused by weights_only={weights_only!r} "

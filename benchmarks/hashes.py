@@ -1,0 +1,144 @@
+"""Which checksum should the writer threads compute? Throughput of the candidates on this machine.
+
+Usage::
+
+    python benchmarks/hashes.py [--mb 256] [--repeat 5] [--json FILE]
+
+Every candidate hashes the same ``--mb`` MB buffer (already in memory, pages touched), in
+one call and in 1 MB updates (the size of the writes of a DCP writer thread), on one
+thread and on two threads at once (DCP writes with two threads per rank: a hash that
+holds the GIL does not scale). ``memcpy`` (``torch.Tensor.copy_``) is the scale: a hash
+slower than a copy costs more than staging. Medians of ``--repeat`` runs, GB/s.
+
+Candidates: ``zlib.crc32`` (the previous manifest checksum), ``crc32c`` (ICRAR, SSE4.2
+hardware CRC), ``google-crc32c`` (Google's C extension; it accepts ``bytes`` only, so a copy is included), ``xxhash`` ``xxh3_64``,
+``xxh3_128`` and ``xxh64``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+_UPDATE = 1 << 20
+
+
+def candidates() -> dict[str, Callable[[], object]]:
+    """name -> factory of an object with ``update(buffer)`` (or ``None`` if not installed)."""
+    found: dict[str, Callable[[], object]] = {}
+
+    class _Crc32:
+        def __init__(self) -> None:
+            self.value = 0
+
+        def update(self, data) -> None:
+            self.value = zlib.crc32(data, self.value)
+
+    found["zlib.crc32"] = _Crc32
+    try:
+        import crc32c
+
+        found["crc32c"] = crc32c.CRC32CHash
+    except ImportError:
+        pass
+    try:
+        import google_crc32c
+
+        class _Google:  # its C extension takes bytes only (no memoryview): the copy is part of its cost
+            def __init__(self) -> None:
+                self.value = 0
+
+            def update(self, data) -> None:
+                self.value = google_crc32c.extend(self.value, bytes(data))
+
+        found["google_crc32c"] = _Google
+    except ImportError:
+        pass
+    try:
+        import xxhash
+
+        found["xxh3_64"] = xxhash.xxh3_64
+        found["xxh3_128"] = xxhash.xxh3_128
+        found["xxh64"] = xxhash.xxh64
+    except ImportError:
+        pass
+    return found
+
+
+def _memcpy(view: memoryview, out: torch.Tensor) -> None:
+    out.copy_(torch.frombuffer(view, dtype=torch.uint8))
+
+
+def _hash_all(make: Callable[[], object], view: memoryview) -> None:
+    make().update(view)
+
+
+def _hash_chunks(make: Callable[[], object], view: memoryview) -> None:
+    h = make()
+    for start in range(0, len(view), _UPDATE):
+        h.update(view[start:start + _UPDATE])
+
+
+def _timed(fn: Callable[[], None], threads: int, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        workers = [threading.Thread(target=fn) for _ in range(threads)]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=256)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    nbytes = int(args.mb * 2**20)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    view = memoryview(data.numpy())
+    out = torch.empty_like(data)
+    rows = []
+    tests = {"memcpy": None, **candidates()}
+    for name, make in tests.items():
+        row = {"name": name}
+        for mode, threads in (("one_call", 1), ("1mb_updates", 1), ("2_threads", 2)):
+            if make is None:
+                fn = lambda: _memcpy(view, out)  # noqa: E731
+            elif mode == "one_call":
+                fn = lambda make=make: _hash_all(make, view)  # noqa: E731
+            else:
+                fn = lambda make=make: _hash_chunks(make, view)  # noqa: E731
+            fn()  # warm up
+            seconds = _timed(fn, threads, args.repeat)
+            row[f"{mode}_gbps"] = threads * nbytes / seconds / 1e9
+        rows.append(row)
+    best = max((r for r in rows if r["name"] != "memcpy"), key=lambda r: r["2_threads_gbps"])
+    print(f"{'hash':<14} {'one call GB/s':>14} {'1 MB updates':>13} {'2 threads':>10}")
+    for r in rows:
+        print(f"{r['name']:<14} {r['one_call_gbps']:>14.2f} {r['1mb_updates_gbps']:>13.2f} {r['2_threads_gbps']:>10.2f}")
+    print(f"fastest on 2 threads: {best['name']}")
+    doc = {"benchmark": "hashes", "mb": args.mb, "repeat": args.repeat, "python": sys.version.split()[0],
+           "torch": torch.__version__, "machine": platform.machine(), "rows": rows, "fastest": best["name"]}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
