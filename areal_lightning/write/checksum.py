@@ -182,7 +182,10 @@ def manifest_of(storage_data: dict[Any, Any], metadata: HashingStream, metadata_
 
 def read_item(file: BinaryIO, path: Path, info: Any, key: str) -> bytes:
     """The bytes of one DCP item, of the recorded length (else :class:`CheckpointCorruptError`
-    naming ``path`` and the tensor ``key``); check them with :func:`check_item`."""
+    naming ``path`` and the tensor ``key``); check them with :func:`check_item`.
+
+    One ``read`` into a new ``bytes`` object, which ``io.BytesIO`` then shares without a copy
+    (measured: faster than streaming ``torch.load`` from the file, and than a reused buffer)."""
     file.seek(info.offset)
     data = file.read(info.length)
     if len(data) != info.length:
