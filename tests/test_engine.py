@@ -359,3 +359,105 @@ def test_another_engine_loading_an_in_flight_path_waits_for_it(tmp_path: Path, m
     loader.join(30)
     assert torch.equal(result["w"], torch.arange(8.0))
     writer.close()
+
+
+# -- integrity: per-item CRC32C where the bytes are ---------------------------------------------
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def _big_state() -> dict:
+    torch.manual_seed(0)
+    model, opt = _trained_adam(hidden=512)
+    return {"state_dict": {**model.state_dict(), "big": torch.randn(1 << 20)}, "optimizer": opt.state_dict(),
+            "epoch": 3}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_save_reads_nothing_and_records_every_items_crc_in_the_metadata(tmp_path: Path, asynchronous: bool) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from areal_lightning.write.checksum import ITEM_CHECKSUM, crc32c, file_crc32c
+
+    engine, state, path = DCPEngine(), _big_state(), tmp_path / "ckpt"
+    published = []
+    before = _rchar()
+    engine.save(state, path, asynchronous=asynchronous, then=published.append)
+    engine.wait()
+    read = _rchar() - before
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    assert sum(files.values()) > 4 << 20 and read < 256 << 10, (read, files)  # nothing was read back
+    (written,) = published
+    assert written is engine.last_written and written.unhashed == 0 and written.items > 10
+    assert written.nbytes == sum(files.values()) and written.hash_s > 0
+    assert {k: v["size"] for k, v in written.files.items()} == files
+    assert written.files[COMMIT_MARKER]["crc32c"] == file_crc32c(path / COMMIT_MARKER)
+    md = FileSystemReader(path).read_metadata()
+    for index, info in md.storage_data.items():  # each item's CRC is the CRC of exactly its bytes
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            assert getattr(info, ITEM_CHECKSUM) == crc32c(f.read(info.length)), index.fqn
+    before = _rchar()
+    loaded = engine.load(path)
+    read = _rchar() - before
+    data = sum(size for name, size in files.items() if name != COMMIT_MARKER)
+    assert data <= read <= data + 2 * files[COMMIT_MARKER] + (256 << 10)  # every byte read once
+    assert engine.last_read.nbytes == data and engine.last_read.verified == len(md.storage_data)
+    assert torch.equal(loaded["state_dict"]["big"], state["state_dict"]["big"])
+    engine.close()
+
+
+def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from areal_lightning.commit.manifest import verify_files
+
+    engine, path = DCPEngine(), tmp_path / "ckpt"
+    engine.save(_big_state(), path)
+    md = FileSystemReader(path).read_metadata()
+    items = sorted(((info.relative_path, info.offset, info.length, index.fqn) for index, info in md.storage_data.items()))
+    for name, offset, length, key in items[:: max(1, len(items) // 7)] + items[-1:]:
+        for at in (offset, offset + length // 2, offset + length - 1):  # headers, data, the item's last byte
+            shard = path / name
+            pristine = shard.read_bytes()
+            damaged = bytearray(pristine)
+            damaged[at] ^= 0x40
+            shard.write_bytes(bytes(damaged))
+            with pytest.raises(CheckpointCorruptError, match=f"{shard} fails its CRC32C check in {key!r}"):
+                engine.load(path)
+            with pytest.raises(CheckpointCorruptError, match=f"{shard} fails its CRC32C check in {key!r}"):
+                verify_files(path, "restore it")
+            shard.write_bytes(pristine)
+    shard = path / items[-1][0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 3)
+    with pytest.raises(CheckpointCorruptError, match=f"{shard} is truncated: {items[-1][3]!r} needs bytes"):
+        engine.load(path)
+
+
+def test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes(tmp_path: Path) -> None:
+    """DCP's plan comparison ignores dtypes: a cached plan would record the old dtype."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    engine = DCPEngine()
+    state = {"state_dict": {f"w{i}": torch.randn(8) for i in range(20)}}
+    for i in range(3):
+        engine.save(state, tmp_path / f"c{i}")
+    (key,) = engine._plan_keys
+    assert key in SavePlanner._cached_save_plan  # the later saves used the cache
+    state["state_dict"]["w0"] = state["state_dict"]["w0"].double()
+    engine.save(state, tmp_path / "dtype")
+    recorded = FileSystemReader(tmp_path / "dtype").read_metadata().state_dict_metadata["state_dict.w0"]
+    assert recorded.properties.dtype == torch.float64
+    assert engine.load(tmp_path / "dtype")["state_dict"]["w0"].dtype == torch.float64
+    state["state_dict"]["new"] = torch.ones(2)
+    engine.save(state, tmp_path / "key")
+    assert torch.equal(engine.load(tmp_path / "key")["state_dict"]["new"], torch.ones(2))
+    engine.close()
+    assert key not in SavePlanner._cached_save_plan  # dropped with the engine

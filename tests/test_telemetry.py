@@ -33,6 +33,12 @@ def test_csv_logger_gets_every_checkpoint_metric(tmp_path, mode) -> None:
     assert min(nbytes) > 50_000  # the tiny Llama's weights + Adam state
     ages = [float(r["checkpoint/recover/age_s"]) for r in rows if r.get("checkpoint/recover/age_s")]
     assert ages and all(a >= 0 for a in ages)
+    saves = [r for r in rows if r.get("checkpoint/recover/bytes")]
+    for r in saves:  # one rank: it wrote every byte, and hashed them as it wrote them
+        assert float(r["checkpoint/recover/rank_bytes"]) == float(r["checkpoint/recover/bytes"])
+        assert float(r["checkpoint/recover/hash_s"]) > 0
+        if mode == "sync":  # a sync save holds training for all of its duration (it was reported as 0)
+            assert float(r["checkpoint/recover/blocked_s"]) >= float(r["checkpoint/recover/write_s"]) > 0
 
 
 def test_no_logger_is_fine(tmp_path) -> None:

@@ -80,11 +80,11 @@ class HashingStream:
         self._crc = 0
 
     def write(self, data: Any) -> int:
+        written = self.raw.write(data)  # a blocking BufferedWriter writes (and counts) it all
         start = time.perf_counter()
         self._crc = crc32c(data, self._crc)
         self.hash_s += time.perf_counter() - start
-        written = self.raw.write(data)
-        self.pos += len(memoryview(data).cast("B")) if written is None else written
+        self.pos += written
         return written
 
     def _cut(self) -> None:

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import logging
 import os
 import pickle
@@ -87,6 +88,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
+    create_default_local_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -98,6 +100,8 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
+    SavePlan,
+    SavePlanner,
 )
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
@@ -137,6 +141,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 # that is exactly our intent, so this one message is silenced (nothing else is).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
+
+_ENGINES = itertools.count()
+"""Serial numbers of this process's engines (their plan-cache keys)."""
 
 # Async saves in flight in this process, by resolved path: a load of that path from another
 # engine (e.g. a new Trainer's DCPCheckpointIO) waits for it instead of finding no marker.
@@ -226,10 +233,41 @@ class _CommitWriter(FileSystemWriter):
         fault_point("engine.after_commit")
 
 
-def _flat_save_planner() -> DefaultSavePlanner:
-    """Our dict is already flat; DCP must store the skeleton as ONE byte item, untouched
-    (its flattening passes rebuild nested dicts with string keys)."""
-    return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+class _CachingSavePlanner(DefaultSavePlanner):
+    """DCP's save planner with plan caching (``enable_plan_caching=True``): when a rank's
+    local plan is the one of its previous save, it sends an empty plan and the coordinator
+    reuses the cached global plan and metadata (no plan gather, dedup or validation).
+
+    Our dict is already flat: DCP must store the skeleton as ONE byte item, untouched (its
+    flattening passes rebuild nested dicts with string keys). The cache is DCP's class-level
+    one, under a key of this engine's (:meth:`DCPEngine.close` drops it); a plan equal to
+    the cached one but for a tensor's dtype (which DCP's comparison ignores, and which the
+    cached metadata would then misrecord) is sent as changed."""
+
+    def __init__(self, cache_key: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, enable_plan_caching=True)
+        self._cached_plans_key = cache_key
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if plan.usable:
+            return plan
+        fresh = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+        if _dtypes(fresh) == _dtypes(SavePlanner._cached_save_plan[self._cached_plans_key]):
+            return plan
+        self.plan = self._pending_local_plan = fresh
+        return fresh
+
+
+def _dtypes(plan: SavePlan) -> list[Any]:
+    return [item.tensor_data.properties.dtype if item.tensor_data is not None else None for item in plan.items]
+
+
+def drop_plan_cache(cache_key: str) -> None:
+    """Forget DCP's cached plans under ``cache_key``."""
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+        cache.pop(cache_key, None)
 
 
 def _load_trusted(value: io.BytesIO) -> Any:
@@ -446,6 +484,8 @@ class DCPEngine:
         """The dedicated gloo group (with its own timeout) of collective saves."""
         self._worker = BackgroundWorker("areal-dcp")
         self._local_group: dist.ProcessGroup | None = None
+        self._plan_keys: set[str] = set()
+        self._serial = next(_ENGINES)
         self.last_written: Written | None = None
         """What this rank wrote in the last save (:class:`~areal_lightning.write.checksum.Written`)."""
         self.last_read: Read | None = None
@@ -513,7 +553,7 @@ class DCPEngine:
         if not asynchronous:
             error = None
             try:
-                dcp.save(flat, storage_writer=writer, planner=_flat_save_planner(), **self._dist_kwargs(background=False))
+                dcp.save(flat, storage_writer=writer, planner=self._planner(), **self._dist_kwargs(background=False))
             except (Exception, CheckpointException) as exc:
                 raise CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}") from exc
             self.last_written = writer.checksums.written
@@ -533,7 +573,7 @@ class DCPEngine:
             response = dcp.async_save(
                 flat,
                 storage_writer=writer,
-                planner=_flat_save_planner(),
+                planner=self._planner(),
                 async_stager=self._worker.stager,
                 async_checkpointer_type=AsyncCheckpointerType.THREAD,
                 **self._dist_kwargs(background=True),
@@ -656,8 +696,22 @@ class DCPEngine:
             path.unlink()
 
     def close(self) -> None:
-        """Wait for the save in flight, free staging buffers, raise any stored failure."""
-        self._worker.close()
+        """Wait for the save in flight, free staging buffers and cached plans, raise any stored failure."""
+        try:
+            self._worker.close()
+        finally:
+            for key in self._plan_keys:
+                drop_plan_cache(key)
+            self._plan_keys.clear()
+
+    def _planner(self) -> _CachingSavePlanner:
+        """The save planner, its plan cache keyed by this engine and the save's kind (rank-local
+        or collective, and the world size): every rank of a collective save uses its own
+        engine's key, and engines are made and used in the same order on every rank."""
+        world = dist.get_world_size() if self.is_collective() else 1
+        key = f"areal_lightning:{self._serial}:{world}"  # never reused: a new engine starts uncached on every rank
+        self._plan_keys.add(key)
+        return _CachingSavePlanner(key)
 
     def is_collective(self) -> bool:
         """Whether saves are collective now (``collective`` and more than one rank)."""
