@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/recover_e2e.py [--mb 128] [--roots /dev/shm/recover_e2e,/tmp/recover_e2e]
+    python benchmarks/recover_e2e.py [--mb 64] [--roots /dev/shm/recover_e2e,/tmp/recover_e2e]
                                      [--worlds 1,2] [--json FILE]
 
 A real ``Trainer`` trains a model of ``--mb`` MB of fp32 weights (``Linear`` layers) with
@@ -294,8 +294,8 @@ def _print(result: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=float, default=128, help="MB of fp32 weights (the checkpoint is 3x with Adam)")
-    parser.add_argument("--every", type=int, default=4, help="steps between saves")
+    parser.add_argument("--mb", type=float, default=64, help="MB of fp32 weights (the checkpoint is 3x with Adam)")
+    parser.add_argument("--every", type=int, default=8, help="steps between saves (an async save is durable before the next)")
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--roots", default="/dev/shm/recover_e2e,/tmp/recover_e2e")
     parser.add_argument("--worlds", default="1,2")

@@ -145,7 +145,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 _ENGINES = itertools.count()
 """Serial numbers of this process's engines (their plan-cache keys)."""
 
-# Async saves in flight in this process, by resolved path: a load of that path from another
+# Async saves in flight in this process, by absolute path: a load of that path from another
 # engine (e.g. a new Trainer's DCPCheckpointIO) waits for it instead of finding no marker.
 _IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]" = weakref.WeakValueDictionary()
 
@@ -593,7 +593,7 @@ class DCPEngine:
             upload, staged = response, None
         self._worker.track(label, _then(upload, then, what, writer.checksums.written), staged)
         self.last_written = writer.checksums.written  # filled in as the background save runs
-        _IN_FLIGHT[str(Path(label).resolve())] = self._worker
+        _IN_FLIGHT[os.path.abspath(label)] = self._worker
 
     def wait_for_staging(self) -> None:
         """Return once the in-flight async save no longer reads the live tensors."""
@@ -611,7 +611,7 @@ class DCPEngine:
         """Wait for the save in flight (and its ``then``), and for another engine of this
         process still writing ``path``; keep a failure for the next raising call."""
         self._worker.join()
-        owner = _IN_FLIGHT.get(str(Path(path).resolve())) if path is not None else None
+        owner = _IN_FLIGHT.get(os.path.abspath(path)) if path is not None else None
         if owner is not None and owner.in_flight is not None:
             owner.join()
 
