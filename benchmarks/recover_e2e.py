@@ -140,7 +140,8 @@ def _worker(args: argparse.Namespace) -> None:
         return DataLoader(TensorDataset(torch.randn(4 * world * (steps + 4), _D, generator=g)), batch_size=4)
 
     out: dict[str, Any] = {"rank": rank, "world": world}
-    for method in (*METHODS, "fresh") if args.phase == "resume" else METHODS:
+    # A resume loads a recover checkpoint the same way whether it was saved sync or async.
+    for method in ("recover_sync", "modelcheckpoint", "fresh") if args.phase == "resume" else METHODS:
         root = Path(args.root) / (method if method != "fresh" else "fresh")
         torch.manual_seed(0)
         model = Net()

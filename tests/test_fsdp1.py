@@ -163,9 +163,10 @@ def _errors(root: Path) -> dict[int, str]:
     return {rank: (root / f"error.rank{rank}.txt").read_text() for rank in range(2)}
 
 
-def test_a_failure_on_rank_1_only_is_an_error_on_both_ranks(tmp_path) -> None:
+def test_a_failure_on_rank_1_only_is_an_error_on_both_ranks_at_save_and_at_load(tmp_path) -> None:
     """Rank 1 fails at the start of its 2nd recover save; rank 0 does not wait in DCP's
-    collectives (or the process group's 30-minute timeout) but raises naming rank 1."""
+    collectives (or the process group's 30-minute timeout) but raises naming rank 1. Then
+    the checkpoint the run left is damaged in rank 1's shards (see the helper below)."""
     proc = train(tmp_path, "--fault-rank", "1", "--timeout", "30", env={"TEST_FAULT": "engine.before_staging@2"},
                  timeout=150)
     assert proc.returncode == 3, proc.stderr[-3000:]
@@ -176,6 +177,48 @@ def test_a_failure_on_rank_1_only_is_an_error_on_both_ranks(tmp_path) -> None:
     # the checkpoint of the first save is intact, no half-written one was published
     info = json.loads((tmp_path / TRIAL / "recover_info" / "checkpoint_info.json").read_text())
     assert info["global_step"] == 3
+    _damaged_shard_of_rank_1_stops_both_ranks_naming_file_and_key(tmp_path)
+
+
+def _damaged_shard_of_rank_1_stops_both_ranks_naming_file_and_key(tmp_path: Path) -> None:
+    """Integrity that scales: no rank checks another's files before loading; each rank
+    verifies the CRC32C of every item as it reads it. A flipped byte in one of rank 1's FSDP
+    shards is read (and caught) by rank 1 alone, and the load's agreement stops rank 0 too,
+    before FSDP's own load collectives; a shard of rank 1 truncated is found by its size
+    before anything is loaded, on both."""
+    for p in tmp_path.glob("error.rank*.txt"):
+        p.unlink()
+    trained = (tmp_path / "losses.rank0").read_text()
+    ckpt = tmp_path / CKPT
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    key, offset, length = _largest_item(ckpt, "__1_0.distcp", "state_dict.")
+    shard = ckpt / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[offset + length // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    proc = train(tmp_path, "--timeout", "30", timeout=150)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = _errors(tmp_path)
+    first = {rank: text.splitlines()[0] for rank, text in errors.items()}
+    assert first[1].startswith(f"CheckpointCorruptError: {shard} fails its CRC32C check in {key!r}"), first[1]
+    assert "delete" in first[1] and "recover_info to start fresh" in first[1]
+    assert first[0].startswith("RankFailure: checkpoint load of ") and "failed on rank 1: CheckpointCorruptError: " \
+        f"{shard} fails its CRC32C check in {key!r}" in first[0], first[0]
+    assert "fails its CRC32C" not in errors[0].split("RankFailure", 1)[0]  # rank 0 did not read that item itself
+    for p in tmp_path.glob("error.rank*.txt"):
+        p.unlink()
+
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    truncated = ckpt / "__1_1.distcp"
+    with open(truncated, "r+b") as f:
+        f.truncate(truncated.stat().st_size - 10)
+    proc = train(tmp_path, "--timeout", "30", timeout=150)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    for rank, text in _errors(tmp_path).items():
+        assert f"{truncated} has " in text.splitlines()[0] and "(truncated?)" in text.splitlines()[0], (rank, text[:500])
+    assert (tmp_path / "losses.rank0").read_text() == trained  # neither failed start trained a step
 
 
 def test_a_failure_of_rank_0s_background_publish_of_the_last_save_is_an_error_on_both_ranks(tmp_path) -> None:
@@ -201,46 +244,6 @@ def _largest_item(ckpt: Path, file: str, prefix: str) -> tuple[str, int, int]:
              if info.relative_path == file and index.fqn.startswith(prefix)]
     length, key, offset = max(items)
     return key, offset, length
-
-
-def test_a_damaged_shard_of_rank_1_stops_both_ranks_naming_file_and_key(tmp_path) -> None:
-    """Integrity that scales: no rank checks another's files before loading; each rank
-    verifies the CRC32C of every item as it reads it. A flipped byte in one of rank 1's FSDP
-    shards is read (and caught) by rank 1 alone, and the load's agreement stops rank 0 too;
-    a shard of rank 1 truncated is found by its size before anything is loaded, on both."""
-    killed = train(tmp_path, "--kill-at-step", "7", "--epochs", "1")
-    assert killed.returncode != 0
-    trained = (tmp_path / "losses.rank0").read_text()
-    ckpt = tmp_path / CKPT
-    pristine = tmp_path / "pristine"
-    shutil.copytree(ckpt, pristine)
-    key, offset, length = _largest_item(ckpt, "__1_0.distcp", "state_dict.")
-    shard = ckpt / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[offset + length // 2] ^= 0x10
-    shard.write_bytes(bytes(data))
-    proc = train(tmp_path, "--epochs", "1", "--timeout", "30", timeout=150)
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    errors = _errors(tmp_path)
-    first = {rank: text.splitlines()[0] for rank, text in errors.items()}
-    assert first[1].startswith(f"CheckpointCorruptError: {shard} fails its CRC32C check in {key!r}"), first[1]
-    assert "delete" in first[1] and "recover_info to start fresh" in first[1]
-    assert first[0].startswith("RankFailure: checkpoint load of ") and "failed on rank 1: CheckpointCorruptError: " \
-        f"{shard} fails its CRC32C check in {key!r}" in first[0], first[0]
-    assert "fails its CRC32C" not in errors[0].split("RankFailure", 1)[0]  # rank 0 did not read that item itself
-    for p in tmp_path.glob("error.rank*.txt"):
-        p.unlink()
-
-    shutil.rmtree(ckpt)
-    shutil.copytree(pristine, ckpt)
-    truncated = ckpt / "__1_1.distcp"
-    with open(truncated, "r+b") as f:
-        f.truncate(truncated.stat().st_size - 10)
-    proc = train(tmp_path, "--epochs", "1", "--timeout", "30", timeout=150)
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    for rank, text in _errors(tmp_path).items():
-        assert f"{truncated} has " in text.splitlines()[0] and "(truncated?)" in text.splitlines()[0], (rank, text[:500])
-    assert (tmp_path / "losses.rank0").read_text() == trained  # neither failed start trained a step
 
 
 def test_a_rank_killed_mid_save_is_an_error_on_the_other(tmp_path) -> None:

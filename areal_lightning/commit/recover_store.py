@@ -40,7 +40,6 @@ from areal_lightning.commit.atomic import (
 )
 from areal_lightning.commit.manifest import check_files, metadata_checksum
 from areal_lightning.errors import CheckpointCorruptError
-from areal_lightning.write.checksum import ALGORITHM, Written
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     COMMIT_MARKER,
@@ -51,6 +50,7 @@ from areal_lightning.layout import (
     TMP_PREFIX,
     TrialLayout,
 )
+from areal_lightning.write.checksum import ALGORITHM, Written
 
 __all__ = ["TrialLock", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_VERSION"]
 

@@ -1,0 +1,35 @@
+"""The end-to-end checkpoint benchmark runs (at a small size) and writes its JSON; no times are asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_recover_e2e_benchmark_runs_on_one_and_two_ranks_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "recover_e2e.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "recover_e2e.py"), "--mb", "1", "--every", "2", "--saves", "2",
+         "--roots", str(tmp_path / "run"), "--worlds", "1,2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert [r["world"] for r in doc["results"]] == [1, 2]
+    for result in doc["results"]:
+        assert set(result["rows"]) == {"recover_sync", "recover_async", "modelcheckpoint"}
+        for method, row in result["rows"].items():
+            assert row["saves"] == 2 and row["resume_s"] > 0, (method, row)
+        recover = result["rows"]["recover_sync"]
+        # what the benchmark exists to show: a save reads no checkpoint byte; a resume reads
+        # what it loads (each rank all of it under DDP), once
+        assert recover["save_read_mb_per_rank"] < 0.5 * result["ckpt_mb"], recover
+        assert all(mb >= 0.9 * result["ckpt_mb"] for mb in recover["resume_read_mb_per_rank"]), recover
+    assert "recover_sync" in proc.stdout and "async blocked / host copy" in proc.stdout
