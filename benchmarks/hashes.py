@@ -18,8 +18,6 @@ hardware CRC), ``google-crc32c`` (Google's C extension; it accepts ``bytes`` onl
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import threading
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from _report import write_json
 
 _UPDATE = 1 << 20
 
@@ -132,11 +131,8 @@ def main() -> int:
     for r in rows:
         print(f"{r['name']:<14} {r['one_call_gbps']:>14.2f} {r['1mb_updates_gbps']:>13.2f} {r['2_threads_gbps']:>10.2f}")
     print(f"fastest on 2 threads: {best['name']}")
-    doc = {"benchmark": "hashes", "mb": args.mb, "repeat": args.repeat, "python": sys.version.split()[0],
-           "torch": torch.__version__, "machine": platform.machine(), "rows": rows, "fastest": best["name"]}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(args.json, {"benchmark": "hashes", "mb": args.mb, "repeat": args.repeat, "rows": rows,
+                           "fastest": best["name"]})
     return 0
 
 

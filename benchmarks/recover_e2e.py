@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -309,7 +308,7 @@ def main() -> int:
     if args.worker:
         _worker(args)
         return 0
-    import torch
+    from _report import write_json
 
     results = []
     for root in args.roots.split(","):
@@ -317,12 +316,8 @@ def main() -> int:
             result = _measure(Path(root), world, args)
             _print(result)
             results.append(result)
-    doc = {"benchmark": "recover_e2e", "mb": args.mb, "every": args.every, "saves": args.saves,
-           "python": sys.version.split()[0], "torch": torch.__version__, "machine": platform.machine(),
-           "cpus": os.cpu_count(), "results": results}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(args.json, {"benchmark": "recover_e2e", "mb": args.mb, "every": args.every, "saves": args.saves,
+                           "results": results})
     return 0
 
 

@@ -9,15 +9,21 @@ nor of how a written directory is committed (that is :mod:`areal_lightning.commi
     ``__{rank}_{i}.distcp`` data files plus ``.metadata``, in the format of
     :mod:`areal_lightning.write.dcp_format`. Async saves stage through the engine's
     :class:`~areal_lightning.stage.BackgroundWorker` (its :class:`~areal_lightning.stage.HostStager`
-    is DCP's ``async_stager``). ``then`` -- a commit target's ``finalize`` -- runs after
-    DCP's save returned: in the caller (sync) or in the background (async), never inside
-    DCP's storage writer.
+    is DCP's ``async_stager``). Every item is checksummed (CRC32C) in DCP's writer threads as
+    it is written, and the checksums go into ``.metadata`` with DCP's item records
+    (:mod:`areal_lightning.write.checksum`); plans are cached across saves. ``then(written)``
+    -- a commit target's publish, given what the save wrote and, on the coordinator, its
+    manifest (:class:`~areal_lightning.write.checksum.Written`) -- runs after DCP's save
+    returned: in the caller (sync) or in the background (async), never inside DCP's storage
+    writer. ``last_written`` / ``last_read``: this rank's bytes and hashing time.
     ``load(path, template=None, weights_only=None)`` rebuilds that structure exactly. Tensors
     are read into a template: the caller's tensors where ``template`` has them (same dotted
     paths, e.g. sharded tensors of a live model), else tensors allocated from the saved
-    metadata. DCP's empty-planner path, which stringifies keys, is never used. Files are
-    read in offset order and each tensor read for an engine-allocated slot is adopted
-    as is (DCP's stock reader copies it once more into the template).
+    metadata. DCP's empty-planner path, which stringifies keys, is never used. A rank's
+    files are read in parallel, each in offset order, every item once, its length and
+    CRC32C checked as it is read (a mismatch raises :class:`CheckpointCorruptError` naming
+    the file and the key); each tensor read for an engine-allocated slot is adopted as is
+    (DCP's stock reader copies it once more into the template).
     ``wait_for_staging()`` returns once the async host copy is done (call it before the next
     optimizer step mutates weights); ``wait()`` returns once the save is durable and its
     ``then`` ran; ``remove(path)`` deletes a checkpoint (waiting first if it is the one being
@@ -219,6 +225,10 @@ class _CommitWriter(FileSystemWriter):
         if errors:
             raise errors[0]
         self.checksums.attach(result.value())
+        if self.checksums.written.unhashed:
+            log.warning("%s: %d of %d items were written in a way this version cannot checksum; they are "
+                        "checked by size only", self.path, self.checksums.written.unhashed,
+                        self.checksums.written.items)
         return result
 
     def finish(self, metadata: Metadata, results: list) -> None:
@@ -343,9 +353,10 @@ def _now(fn: Callable[..., Any], *args: Any) -> Future:
 
 
 class _AdoptingReader(FileSystemReader):
-    """``FileSystemReader`` that reads its files in parallel, each in offset order, verifies every item's bytes
-    as it reads them (:func:`~areal_lightning.write.checksum.read_item`: length and CRC32C,
-    naming the file and the key), and hands every loaded tensor to
+    """``FileSystemReader`` that reads its files in parallel, each in offset order, verifies
+    every item's bytes as it reads them (:func:`~areal_lightning.write.checksum.read_item`
+    and ``check_item``: length and CRC32C, naming the file and the key), and hands every
+    loaded tensor to
     :meth:`_TemplateLoadPlanner.load_tensor`, so tensors the engine allocated are not copied
     a second time (DCP's reader always copies into the template)."""
 
