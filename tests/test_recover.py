@@ -281,6 +281,32 @@ def test_damaged_checkpoint_gives_a_clear_error_and_touches_nothing(tmp_path, ca
     assert snapshot(tmp_path) == before
 
 
+def test_a_checkpoint_with_the_earlier_whole_file_crc32_manifest_still_resumes_and_is_fully_checked(tmp_path) -> None:
+    """Manifests written before per-item CRC32C list ``{"size", "crc32"}`` (zlib, whole
+    file): such a checkpoint still resumes exactly, and a flipped byte is still found, by
+    the full pass before loading (its items carry no checksum a load could verify)."""
+    import zlib
+
+    want = run(tmp_path / "ref").losses
+    run(tmp_path / "run", crash_at=6)
+    t = trial(tmp_path / "run")
+    ckpt_dir, info_path = t / "default" / "recover_checkpoint", t / "recover_info" / "checkpoint_info.json"
+    info = json.loads(info_path.read_text())
+    info["files"] = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())}
+                     for p in sorted(ckpt_dir.iterdir())}
+    del info["checksum"]
+    info_path.write_text(json.dumps(info))
+    pristine = t.parent / "pristine"
+    shutil.copytree(t, pristine)
+    shard = damage_shard(t)
+    with pytest.raises(CheckpointCorruptError, match=f"{shard} fails its CRC32 check"):
+        trainer([recover(tmp_path / "run")]).fit(Net(), plain_loader())
+    shutil.rmtree(t)
+    shutil.copytree(pristine, t)
+    resumed = run(tmp_path / "run")
+    assert resumed.losses == {k: v for k, v in want.items() if k >= min(resumed.losses)} and min(resumed.losses) <= 6
+
+
 def test_sharded_vs_replicated_strategy_mismatch_is_explained(tmp_path) -> None:
     run(tmp_path, crash_at=6)
     path = trial(tmp_path) / "recover_info" / "checkpoint_info.json"
