@@ -154,11 +154,12 @@ def install_bridge(strategy: Strategy, io: Any) -> None:
         # save into place, and the agreement below lets no rank read before it did.
         io.engine.join(checkpoint_path)
         path = common_path(checkpoint_path, "checkpoint load", repair=True)
-        template = _sharded_template(strategy) if sharded else None  # collective (FSDP1)
+        # the sharded template is made on every rank first (collective under FSDP1)
+        template = {"template": _sharded_template(strategy)} if sharded else {}
         error: BaseException | None = None
         checkpoint: dict[str, Any] = {}
         try:
-            checkpoint = io.load_checkpoint(path, weights_only=weights_only, template=template)
+            checkpoint = io.load_checkpoint(path, weights_only=weights_only, **template)
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             if strategy.world_size == 1:
                 raise
