@@ -28,7 +28,8 @@ the checkpoint is durable and published (``checkpoint/recover/write_s`` of the t
 ``read_mb``, what each rank read during those steps (``rchar`` of ``/proc/self/io``:
 a save should read nothing). Per resume (a new process, same command): ``resume_s`` from
 ``trainer.fit`` to the first trained batch, and ``read_mb`` per rank in that time; ``fresh``
-is the same for a start without a checkpoint. Ratios: ``durable / raw_write``,
+is the same for a start without a checkpoint (``--one-process``, for a quick smoke run such as
+CI's, resumes in the process that saved instead). Ratios: ``durable / raw_write``,
 ``resume / modelcheckpoint``'s, async ``blocked / host_copy``. A table and JSON.
 """
 
@@ -138,67 +139,71 @@ def _worker(args: argparse.Namespace) -> None:
         g = torch.Generator().manual_seed(0)
         return DataLoader(TensorDataset(torch.randn(4 * world * (steps + 4), _D, generator=g)), batch_size=4)
 
-    out: dict[str, Any] = {"rank": rank, "world": world}
-    # A resume loads a recover checkpoint the same way whether it was saved sync or async.
-    for method in ("recover_sync", "modelcheckpoint", "fresh") if args.phase == "resume" else METHODS:
-        root = Path(args.root) / (method if method != "fresh" else "fresh")
-        torch.manual_seed(0)
-        model = Net()
-        if args.phase == "save":
-            probe, logger = Probe(), Capture()
-            trainer, callbacks = trainer_for(method, root, probe, steps, logger)
-            trainer.fit(model, data())
-            out[method] = {"t": probe.t, "rchar": probe.rchar, "steps": probe.steps,
-                           "durable_s": [r["checkpoint/recover/write_s"] for r in logger.rows
-                                         if "checkpoint/recover/write_s" in r],
-                           "telemetry_blocked_s": [r["checkpoint/recover/blocked_s"] for r in logger.rows
-                                                   if "checkpoint/recover/blocked_s" in r],
-                           "hash_s": [r["checkpoint/recover/hash_s"] for r in logger.rows
-                                      if "checkpoint/recover/hash_s" in r]}
-            if method == "recover_sync" and rank == 0:
-                ckpt = root / "checkpoints/u/bench/t/default/recover_checkpoint"
-                out["ckpt_bytes"] = sum(p.stat().st_size for p in ckpt.iterdir())
-                opt = trainer.optimizers[0]
-                tensors = [p.data for p in model.parameters()] + [
-                    v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-                buffers = [torch.empty_like(t) for t in tensors]
-                for b, t in zip(buffers, tensors):
-                    b.copy_(t)  # touch the pages once, as a reused staging buffer is
-                times = []
-                for _ in range(3):
-                    start = time.perf_counter()
+    def run_phase(phase: str, out_prefix: str) -> None:
+        out: dict[str, Any] = {"rank": rank, "world": world}
+        # A resume loads a recover checkpoint the same way whether it was saved sync or async.
+        for method in ("recover_sync", "modelcheckpoint", "fresh") if phase == "resume" else METHODS:
+            root = Path(args.root) / (method if method != "fresh" else "fresh")
+            torch.manual_seed(0)
+            model = Net()
+            if phase == "save":
+                probe, logger = Probe(), Capture()
+                trainer, callbacks = trainer_for(method, root, probe, steps, logger)
+                trainer.fit(model, data())
+                out[method] = {"t": probe.t, "rchar": probe.rchar, "steps": probe.steps,
+                               "durable_s": [r["checkpoint/recover/write_s"] for r in logger.rows
+                                             if "checkpoint/recover/write_s" in r],
+                               "telemetry_blocked_s": [r["checkpoint/recover/blocked_s"] for r in logger.rows
+                                                       if "checkpoint/recover/blocked_s" in r],
+                               "hash_s": [r["checkpoint/recover/hash_s"] for r in logger.rows
+                                          if "checkpoint/recover/hash_s" in r]}
+                if method == "recover_sync" and rank == 0:
+                    ckpt = root / "checkpoints/u/bench/t/default/recover_checkpoint"
+                    out["ckpt_bytes"] = sum(p.stat().st_size for p in ckpt.iterdir())
+                    opt = trainer.optimizers[0]
+                    tensors = [p.data for p in model.parameters()] + [
+                        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+                    buffers = [torch.empty_like(t) for t in tensors]
                     for b, t in zip(buffers, tensors):
-                        b.copy_(t)
-                    times.append(time.perf_counter() - start)
-                out["host_copy_s"] = statistics.median(times)
-                del buffers
-        else:
-            probe = Probe(stop_after_first=True)
-            trainer, _ = trainer_for(method if method != "fresh" else "none", root, probe, steps + 4, False)
-            ckpt_path = str(root / "mc" / "last.ckpt") if method == "modelcheckpoint" else None
-            start, rchar = time.perf_counter(), _rchar()
-            trainer.fit(model, data(), ckpt_path=ckpt_path)
-            out[method] = {"resume_s": probe.t[0] - start, "read_bytes": probe.rchar[0] - rchar,
-                           "first_step": probe.steps[0]}
-    if rank == 0 and args.phase == "save":
-        path = Path(args.root) / "raw.bin"
-        payload = os.urandom(1 << 20) * max(1, out["ckpt_bytes"] >> 20)
-        times, reads = [], []
-        for _ in range(3):
-            start = time.perf_counter()
-            with open(path, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            times.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            with open(path, "rb") as f:
-                while f.read(64 << 20):
-                    pass
-            reads.append(time.perf_counter() - start)
-        out["raw_write_s"], out["raw_read_s"] = statistics.median(times), statistics.median(reads)
-        path.unlink()
-    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(out))
+                        b.copy_(t)  # touch the pages once, as a reused staging buffer is
+                    times = []
+                    for _ in range(3):
+                        start = time.perf_counter()
+                        for b, t in zip(buffers, tensors):
+                            b.copy_(t)
+                        times.append(time.perf_counter() - start)
+                    out["host_copy_s"] = statistics.median(times)
+                    del buffers
+            else:
+                probe = Probe(stop_after_first=True)
+                trainer, _ = trainer_for(method if method != "fresh" else "none", root, probe, steps + 4, False)
+                ckpt_path = str(root / "mc" / "last.ckpt") if method == "modelcheckpoint" else None
+                start, rchar = time.perf_counter(), _rchar()
+                trainer.fit(model, data(), ckpt_path=ckpt_path)
+                out[method] = {"resume_s": probe.t[0] - start, "read_bytes": probe.rchar[0] - rchar,
+                               "first_step": probe.steps[0]}
+        if rank == 0 and phase == "save":
+            path = Path(args.root) / "raw.bin"
+            payload = os.urandom(1 << 20) * max(1, out["ckpt_bytes"] >> 20)
+            times, reads = [], []
+            for _ in range(3):
+                start = time.perf_counter()
+                with open(path, "wb") as f:
+                    f.write(payload)
+                    f.flush()
+                    os.fsync(f.fileno())
+                times.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                with open(path, "rb") as f:
+                    while f.read(64 << 20):
+                        pass
+                reads.append(time.perf_counter() - start)
+            out["raw_write_s"], out["raw_read_s"] = statistics.median(times), statistics.median(reads)
+            path.unlink()
+        Path(f"{out_prefix}.rank{rank}.json").write_text(json.dumps(out))
+
+    for phase, out_prefix in zip(args.phase.split(","), args.out.split(",")):
+        run_phase(phase, out_prefix)
 
 
 # ------------------------------------------------------------------------------------------
@@ -220,7 +225,9 @@ def _launch(world: int, argv: list[str]) -> None:
                f"--master-port={_free_port()}", here, *argv]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]) + os.pathsep +
            os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    print(f"[{world} rank(s), {argv[argv.index('--phase') + 1]}: {time.perf_counter() - start:.1f}s]", file=sys.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
@@ -256,9 +263,12 @@ def _measure(root: Path, world: int, args: argparse.Namespace) -> dict[str, Any]
     root.mkdir(parents=True)
     common = ["--worker", "--root", str(root), "--mb", str(args.mb), "--every", str(args.every),
               "--saves", str(args.saves)]
-    _launch(world, [*common, "--phase", "save", "--out", str(root / "save")])
+    if args.one_process:  # a smoke run: the resume in the same (warm) process as the saves
+        _launch(world, [*common, "--phase", "save,resume", "--out", f"{root / 'save'},{root / 'resume'}"])
+    else:
+        _launch(world, [*common, "--phase", "save", "--out", str(root / "save")])
+        _launch(world, [*common, "--phase", "resume", "--out", str(root / "resume")])
     save = [json.loads((root / f"save.rank{r}.json").read_text()) for r in range(world)]
-    _launch(world, [*common, "--phase", "resume", "--out", str(root / "resume")])
     resume = [json.loads((root / f"resume.rank{r}.json").read_text()) for r in range(world)]
     rows = _save_rows(save, args.every)
     head = save[0]
@@ -301,7 +311,9 @@ def main() -> int:
     parser.add_argument("--worlds", default="1,2")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--phase", choices=("save", "resume"), help=argparse.SUPPRESS)
+    parser.add_argument("--one-process", action="store_true",
+                        help="resume in the process that saved (a quick smoke run; resume times are then warm)")
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

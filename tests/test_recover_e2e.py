@@ -86,12 +86,12 @@ def assert_exact(got: dict[int, set[str]], want: dict[int, set[str]]) -> None:
 CASES = {
     # name: (kill at step, extra args); 12 steps per epoch, 3 epochs, recover every 5 steps.
     # A representative set of real SIGKILLs (the loaders without workers, shuffled or not,
-    # plain or stateful, are resumed in-process by tests/test_recover.py and tests/test_matrix.py).
+    # plain or stateful, and epoch-end checkpoints with each, are resumed in-process by
+    # tests/test_recover.py and tests/test_matrix.py).
     "plain-shuffle-mid-epoch": (7, ()),
     "plain-shuffle-2-workers": (9, ("--workers", "2")),
     "stateful-loader-2-workers": (17, ("--loader", "stateful", "--workers", "2")),
     "right-after-epoch-end-checkpoint": (13, ("--freq-steps", "100", "--freq-epochs", "1")),
-    "stateful-after-epoch-end-checkpoint": (14, ("--freq-steps", "12", "--loader", "stateful")),
     "async-checkpoint": (12, ("--io-mode", "async")),  # the save of step 5 is surely committed by step 10's
     "second-epoch": (23, ("--io-mode", "async", "--workers", "2")),
 }
