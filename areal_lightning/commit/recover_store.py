@@ -323,7 +323,7 @@ def _is_leftover_of(name: str, final: str) -> bool:
 class RecoverCommit:
     """The :class:`~areal_lightning.commit.atomic.CommitTarget` of one recover save: the DCP
     files are written to :attr:`tmp`; :meth:`finalize` writes ``recover_info`` and swaps
-    the pair in (:meth:`RecoverStore.commit`). ``files`` holds the committed file list."""
+    the pair in (:meth:`RecoverStore.commit`) with the manifest the writer put in :attr:`written`."""
 
     def __init__(self, store: RecoverStore, gen: str, info: dict[str, dict[str, Any]],
                  on_committed: Callable[[Written], None] | None = None) -> None:
