@@ -25,22 +25,22 @@ from typing import Any
 
 from areal_lightning.errors import CheckpointCorruptError
 from areal_lightning.layout import COMMIT_MARKER
-from areal_lightning.write.checksum import ALGORITHM, check_item, file_crc32c, read_item
+from areal_lightning.write.checksum import (
+    ALGORITHM,
+    check_item,
+    file_checksum,
+    file_crc32c,
+    read_item,
+)
 
 __all__ = ["check_files", "verify_files", "metadata_checksum", "LEGACY_ALGORITHM"]
 
 LEGACY_ALGORITHM = "crc32"
 """Whole-file zlib CRC32 of manifests written before per-item checksums."""
 
-_CHUNK = 8 << 20
-
 
 def _zlib_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+    return file_checksum(path, zlib.crc32)
 
 
 def metadata_checksum(ckpt_dir: Path, entry: dict[str, Any]) -> bool:

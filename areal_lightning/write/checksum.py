@@ -25,13 +25,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import crc32c as _crc32c
 
 from areal_lightning.errors import CheckpointCorruptError
 
-__all__ = ["ALGORITHM", "ITEM_CHECKSUM", "HashingStream", "ChecksumLog", "Written", "crc32c", "file_crc32c",
+__all__ = ["ALGORITHM", "ITEM_CHECKSUM", "HashingStream", "ChecksumLog", "Written", "crc32c", "file_checksum", "file_crc32c",
            "item_checksum", "read_item", "check_item", "manifest_of"]
 
 ALGORITHM = "crc32c"
@@ -48,13 +48,19 @@ def crc32c(data: Any, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
-def file_crc32c(path: Path) -> int:
-    """CRC32C of a whole file (offline checks and ``.metadata`` only; saves never read)."""
+def file_checksum(path: Path, update: Callable[[Any, int], int] = crc32c) -> int:
+    """A whole file's checksum by ``update(chunk, value)`` (``crc32c``, or ``zlib.crc32`` for
+    manifests of earlier versions); for offline checks and ``.metadata`` only: saves never read."""
     value = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            value = crc32c(chunk, value)
+            value = update(chunk, value)
     return value
+
+
+def file_crc32c(path: Path) -> int:
+    """CRC32C of a whole file (see :func:`file_checksum`)."""
+    return file_checksum(path, crc32c)
 
 
 def item_checksum(info: Any) -> int | None:

@@ -81,7 +81,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -342,16 +341,6 @@ _READ_THREADS = 4
 """Files read in parallel by one load (DCP writes ``thread_count`` files per rank)."""
 
 
-def _now(fn: Callable[..., Any], *args: Any) -> Future:
-    """Run ``fn(*args)`` here; its result (or exception) as a completed future."""
-    done: Future = Future()
-    try:
-        done.set_result(fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - re-raised by result()
-        done.set_exception(exc)
-    return done
-
-
 class _AdoptingReader(FileSystemReader):
     """``FileSystemReader`` that reads its files in parallel, each in offset order, verifies
     every item's bytes as it reads them (:func:`~areal_lightning.write.checksum.read_item`
@@ -400,10 +389,8 @@ class _AdoptingReader(FileSystemReader):
         for info, item in zip(infos, plan.items):
             per_file.setdefault(info.relative_path, []).append((info, item))
         # The files are read in parallel (reads and CRCs release the GIL), each in offset order.
-        workers = min(len(per_file), _READ_THREADS)
-        with ThreadPoolExecutor(workers, thread_name_prefix="areal-dcp-read") if workers > 1 else nullcontext() as pool:
-            jobs = [(pool.submit if pool else _now)(self._read_file, name, entries, planner)
-                    for name, entries in per_file.items()]
+        with ThreadPoolExecutor(min(len(per_file), _READ_THREADS) or 1, thread_name_prefix="areal-dcp-read") as pool:
+            jobs = [pool.submit(self._read_file, name, entries, planner) for name, entries in per_file.items()]
             for job in jobs:
                 stats = job.result()
                 self.stats.nbytes += stats.nbytes
