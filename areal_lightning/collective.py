@@ -13,15 +13,29 @@ every rank raises -- the failing rank its own error, the others
 :class:`~areal_lightning.errors.RankFailure` (a ``CheckpointWriteError``) naming the failed rank and its error.
 A rank that never arrives (killed, stuck) makes the others raise once ``timeout`` has
 passed, naming the timeout.
+
+**Ending the groups.** A gloo group is a C++ object with two worker threads and a socket
+loop thread of its own; ``destroy_process_group`` only unregisters it, and its threads end
+when the last Python reference to it goes. A group still referenced when the interpreter
+exits is freed during finalization, and a gloo worker thread that then needs the GIL (to
+drop a tensor that Python created) makes Python end that thread from inside a C++
+destructor: ``terminate called without an active exception`` (SIGABRT) after a run that
+finished. So :meth:`CheckpointGroup.close` unregisters and drops its groups (the teardown
+of every owner calls it), and :func:`end_checkpoint_groups`, registered with :mod:`atexit`
+when the first group is made, ends those of runs that never reached their teardown
+(exceptions, ``Preempted``, ``sys.exit``) while the interpreter is still whole.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import pickle
+import threading
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +48,8 @@ from areal_lightning.layout import SHARED_CHECK_PREFIX
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointGroup", "DEFAULT_TIMEOUT_S", "RankFailure", "check_shared_storage", "validate_timeout"]
+__all__ = ["CheckpointGroup", "DEFAULT_TIMEOUT_S", "RankFailure", "check_shared_storage", "end_checkpoint_groups",
+           "validate_timeout"]
 
 DEFAULT_TIMEOUT_S = 900.0
 """Seconds a checkpoint collective waits for the other ranks (it must exceed the time the
@@ -48,6 +63,45 @@ def validate_timeout(value: Any, field: str = "collective_timeout") -> float:
     return float(value)
 
 
+_LIVE: "weakref.WeakSet[CheckpointGroup]" = weakref.WeakSet()
+"""Every :class:`CheckpointGroup` holding process groups now (ended by the exit hook)."""
+_TRACK_LOCK = threading.Lock()
+_exit_hook_registered = False
+
+
+def _track(ranks: "CheckpointGroup") -> None:
+    """Remember ``ranks`` for :func:`end_checkpoint_groups`; register that with atexit once."""
+    global _exit_hook_registered
+    with _TRACK_LOCK:
+        _LIVE.add(ranks)
+        if not _exit_hook_registered:
+            atexit.register(end_checkpoint_groups)
+            _exit_hook_registered = True
+
+
+def end_checkpoint_groups() -> int:
+    """Close every :class:`CheckpointGroup` still holding process groups; returns how many.
+
+    Registered with :mod:`atexit` when the first group is created, so a run that never
+    reached its teardown (an exception, ``Preempted``, ``sys.exit`` in user code) still ends
+    its gloo threads before the interpreter finalizes (see the module doc)."""
+    live = list(_LIVE)
+    for ranks in live:
+        ranks.close()
+    return len(live)
+
+
+def _end_group(group: dist.ProcessGroup | None) -> None:
+    """Unregister ``group`` from torch.distributed if it still is registered (a rank-local
+    step for gloo); the caller then drops its reference, which ends its threads."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # "Invalid process group specified": the world was destroyed (or re-made) before
+        pass
+
+
 class CheckpointGroup:
     """The dedicated gloo group of the checkpoint path (created lazily, collectively)."""
 
@@ -55,6 +109,7 @@ class CheckpointGroup:
         self.timeout = validate_timeout(timeout)
         self._group: dist.ProcessGroup | None = None
         self._background: dist.ProcessGroup | None = None
+        self._local: dist.ProcessGroup | None = None
         self._world: Any = None  # the default group the two were created in
 
     def configure(self, timeout: float) -> None:
@@ -71,14 +126,21 @@ class CheckpointGroup:
         """Whether a process group of more than one rank is initialized."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
+    def _current(self) -> None:
+        """Drop the groups of an earlier default group (destroyed and made again)."""
+        if self._world is not dist.group.WORLD:
+            self.close()
+            self._world = dist.group.WORLD
+
     def _create(self) -> None:
         """Both groups, always together and in this order, so every rank names them alike
         whichever it uses first; again after the default process group was recreated."""
-        if self._group is None or self._world is not dist.group.WORLD:
-            self._world = dist.group.WORLD
+        self._current()
+        if self._group is None:
             timeout = datetime.timedelta(seconds=self.timeout)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
             self._background = dist.new_group(backend="gloo", timeout=timeout)
+            _track(self)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -95,6 +157,16 @@ class CheckpointGroup:
         self._create()
         assert self._background is not None
         return self._background
+
+    @property
+    def local_group(self) -> dist.ProcessGroup:
+        """A gloo group of this rank alone (made without involving the others), for the
+        rank-local DCP calls that still want a CPU process group."""
+        self._current()
+        if self._local is None:
+            self._local = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+            _track(self)
+        return self._local
 
     def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
         """Exchange ``error`` (this rank's failure or ``None``) and ``payload`` with every rank.
@@ -142,8 +214,21 @@ class CheckpointGroup:
         return bool(value.item())
 
     def close(self) -> None:
-        """Forget the groups (they are destroyed with the default process group)."""
-        self._group = self._background = None
+        """End the groups: unregister them and drop them, which joins their gloo threads
+        (idempotent; a later use creates new ones, collectively). Every rank's owner calls
+        it in its teardown, after the last collective on them; a rank still waiting in one
+        then fails at once instead of at the timeout."""
+        groups = (self._group, self._background, self._local)
+        self._group = self._background = self._local = self._world = None
+        _LIVE.discard(self)
+        for group in groups:
+            _end_group(group)
+        del groups  # the last references: each group's destructor joins its threads here
+
+    @property
+    def holds_groups(self) -> bool:
+        """Whether any process group of this object is alive (not yet closed)."""
+        return any(g is not None for g in (self._group, self._background, self._local))
 
 
 def check_shared_storage(ranks: CheckpointGroup, folder: Path, lead: bool) -> None:

@@ -170,6 +170,7 @@ class HFExporter:
         self.thread_count = thread_count
         self._worker: BackgroundWorker | None = BackgroundWorker(f"areal-hf-{name}") if asynchronous else None
         self._ranks = ranks if ranks is not None else CheckpointGroup(collective_timeout)
+        self._own_ranks = ranks is None  # groups it made itself end with close()
         self._pending: str | None = None  # the folder of the export in flight (for messages)
         self._twin: tuple[Any, Any] | None = None  # (live model, its meta twin) for FSDP1
         self._closed = False
@@ -211,13 +212,16 @@ class HFExporter:
                 self.settle()
         finally:
             worker, self._worker = self._worker, None
-            if worker is not None:
-                try:
+            try:
+                if worker is not None:
                     worker.close()
-                except BaseException as exc:
-                    if raise_failure:
-                        raise
-                    log.error("HF export in flight failed too: %s", exc)
+            except BaseException as exc:
+                if raise_failure:
+                    raise
+                log.error("HF export in flight failed too: %s", exc)
+            finally:
+                if self._own_ranks:
+                    self._ranks.close()
 
     # -- export -----------------------------------------------------------------------------
 

@@ -60,3 +60,44 @@ def test_a_file_system_without_flock_gets_a_warning_not_a_crash(tmp_path, monkey
     monkeypatch.setattr(fcntl, "flock", other_error)
     with pytest.raises(OSError, match="I/O error"):
         TrialLock(tmp_path).acquire()
+
+
+def _threads() -> int:
+    """Native threads of this process (a gloo group has worker and socket-loop threads of its own)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_close_ends_the_groups_threads_also_after_the_world_was_destroyed(tmp_path) -> None:
+    """A gloo group's threads end only when the group object goes: one still held at interpreter
+    exit is freed during finalization, where a worker that needs the GIL aborts the process.
+    close() unregisters the groups and drops them (their threads are joined before it returns),
+    also when the script destroyed the default group first (as torch recommends), and
+    end_checkpoint_groups() (the exit hook) closes every group still held."""
+    import torch.distributed as dist
+
+    from areal_lightning.collective import end_checkpoint_groups
+
+    before = _threads()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        base = _threads()  # with the default group's
+        ranks = CheckpointGroup(30)
+        ranks.agree(None, "x")  # one rank: no collective, no group
+        assert not ranks.holds_groups and _threads() == base
+        ranks.group, ranks.background_group, ranks.local_group
+        assert ranks.holds_groups and _threads() > base
+        ranks.close()
+        assert not ranks.holds_groups and _threads() == base
+        ranks.close()  # idempotent
+
+        ranks.group  # made again on a later use
+        others = CheckpointGroup(30)
+        others.local_group
+    finally:
+        dist.destroy_process_group()  # the user's script ends the world; our groups are still held
+    assert _threads() > before and ranks.holds_groups and others.holds_groups
+    assert end_checkpoint_groups() == 2  # what the exit hook does
+    assert _threads() == before and not ranks.holds_groups and not others.holds_groups
+    assert end_checkpoint_groups() == 0

@@ -233,11 +233,18 @@ class HFSaverCallback(Callback):
         self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        """Let the export in flight finish (or fail, logged) while the original error propagates."""
-        self._close_exporter(raise_failure=False)
+        """Let the export in flight finish (or fail, logged) while the original error propagates;
+        end the gloo groups (Lightning calls no ``teardown`` hook after an exception)."""
+        try:
+            self._close_exporter(raise_failure=False)
+        finally:
+            self.ranks.close()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._close_exporter(raise_failure=True)
+        try:
+            self._close_exporter(raise_failure=True)
+        finally:
+            self.ranks.close()  # after the last collective of the fit: ends the gloo groups' threads
 
     def _close_exporter(self, raise_failure: bool, agree: bool = False) -> None:
         exporter, self._exporter = self._exporter, None

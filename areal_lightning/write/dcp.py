@@ -481,7 +481,6 @@ class DCPEngine:
         self.ranks = CheckpointGroup(collective_timeout)
         """The dedicated gloo group (with its own timeout) of collective saves."""
         self._worker = BackgroundWorker("areal-dcp")
-        self._local_group: dist.ProcessGroup | None = None
         self._plan_keys: set[str] = set()
         self._serial = next(_ENGINES)
         self.last_written: Written | None = None
@@ -694,13 +693,15 @@ class DCPEngine:
             path.unlink()
 
     def close(self) -> None:
-        """Wait for the save in flight, free staging buffers and cached plans, raise any stored failure."""
+        """Wait for the save in flight (joining its thread), free staging buffers and cached
+        plans, end the checkpoint process groups, raise any stored failure."""
         try:
             self._worker.close()
         finally:
             for key in self._plan_keys:
                 drop_plan_cache(key)
             self._plan_keys.clear()
+            self.ranks.close()
 
     def _planner(self) -> _CachingSavePlanner:
         """The save planner, its plan cache keyed by this engine and the save's kind (rank-local
@@ -720,14 +721,8 @@ class DCPEngine:
             return {"no_dist": True}
         if not self.is_collective():
             # Rank-local call. dcp.async_save still checks that its group has a CPU backend.
-            return {"no_dist": True, "process_group": self._rank_local_group() if background else None}
+            return {"no_dist": True, "process_group": self.ranks.local_group if background else None}
         # DCP's exchanges run on the dedicated gloo groups, bounded by their timeout: sync
         # saves on the training thread's, async ones on the background one (the training
         # thread's agreements may run meanwhile).
         return {"process_group": self.ranks.background_group if background else self.ranks.group}
-
-    def _rank_local_group(self) -> dist.ProcessGroup:
-        """A gloo group of this rank alone (created without involving the others)."""
-        if self._local_group is None:
-            self._local_group = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
-        return self._local_group
