@@ -66,6 +66,10 @@ MODEL_NAME = "default"
 """The demo's model folder (``HFSaverCallback`` / ``RecoverCallback`` ``name``)."""
 STALL_TIMEOUT_S = 300.0
 """A worker that records no step for this long is killed and the demo fails."""
+PAUSE_ENV = "AREAL_LIGHTNING_DEMO_PAUSE_AT"
+"""Set for the first start of the killed run only: the worker stops itself (SIGSTOP) right
+after this optimizer step, once a recover checkpoint is durable, and the demo SIGKILLs it
+there -- a step boundary chosen in advance, whatever the machine's load."""
 
 
 class DemoMismatchError(AreaLightningError, RuntimeError):
@@ -128,10 +132,11 @@ class DemoKillConfig:
         enabled: train in worker processes, SIGKILL one mid-run, start it again with the
             same command and compare its losses with an uninterrupted reference run;
             ``false``: train once, in this process.
-        at_step: kill the worker once it has recorded this optimizer step (counted from 1),
-            at the earliest once a recover checkpoint is durable. It must lie after the
-            first recover checkpoint, before the last step, and not on a checkpoint step.
-            ``null``: halfway between the two recover checkpoints around the middle of the run.
+        at_step: kill the worker right after this optimizer step (counted from 1): it stops
+            itself there and the demo sends the SIGKILL (with a seconds trigger only: at the
+            first step from then on at which a recover checkpoint is durable). It must lie
+            after the first recover checkpoint, before the last step, and not on a checkpoint
+            step. ``null``: halfway between the two recover checkpoints around the middle of the run.
     """
 
     enabled: bool = True
@@ -400,6 +405,31 @@ def _loss_file(path: Path) -> Any:
     return _LossFile(path)
 
 
+def _pause_at(step: int) -> Any:
+    """A Lightning callback that stops this process (SIGSTOP) right after optimizer step ``step``
+    (from 1), or the first step after it, at which a recover checkpoint is durable: the
+    handshake with the demo, which then SIGKILLs the stopped worker."""
+    import lightning.pytorch as pl
+
+    from areal_lightning.lightning import RecoverCallback
+
+    class _PauseAt(pl.Callback):
+        def __init__(self) -> None:
+            self.paused = False
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            if self.paused or trainer.global_step < step:
+                return
+            recover = next(c for c in trainer.callbacks if isinstance(c, RecoverCallback))
+            recover.wait()  # an async save in flight becomes durable first
+            if recover.store.exists():
+                self.paused = True
+                os.kill(os.getpid(), signal.SIGSTOP)  # stays stopped until the demo's SIGKILL
+
+    return _PauseAt()
+
+
 def _fit(cfg: DemoConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> tuple[pl.Trainer, list[pl.Callback]]:
     """Train the demo model with the callbacks of ``cfg`` (a rerun resumes from its recover checkpoint)."""
     import lightning.pytorch as pl
@@ -453,7 +483,10 @@ def _worker_main(argv: Sequence[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.worker, schema=DemoConfig)
-    _fit(cfg, [_loss_file(Path(args.losses))])
+    callbacks = [_loss_file(Path(args.losses))]
+    if os.environ.get(PAUSE_ENV):
+        callbacks.append(_pause_at(int(os.environ[PAUSE_ENV])))  # after the step's losses line
+    _fit(cfg, callbacks)
     return 0
 
 
@@ -538,8 +571,12 @@ class _Worker:
         self.tail = _Tail(losses)
         self.starts = 0
 
-    def start(self) -> None:
+    def start(self, pause_at: int | None = None) -> None:
+        """Start the command; ``pause_at``: the worker stops itself after that step (see :data:`PAUSE_ENV`)."""
         env = dict(os.environ)
+        env.pop(PAUSE_ENV, None)
+        if pause_at is not None:
+            env[PAUSE_ENV] = str(pause_at)
         # The worker imports the same areal_lightning as this process, wherever it was found.
         pkg_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
@@ -552,6 +589,16 @@ class _Worker:
                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.starts += 1
         self.tail.last_seen = time.monotonic()
+
+    def paused(self) -> bool:
+        """Whether the worker has stopped itself (SIGSTOP): read without reaping it."""
+        if self.proc is None:
+            return False
+        try:
+            info = os.waitid(os.P_PID, self.proc.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        return info is not None and info.si_code == os.CLD_STOPPED
 
     def sigkill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -717,22 +764,18 @@ def _run_killed_and_reference(cfg: DemoConfig, say: Callable[[str], None],
 
     try:
         ref.start()
-        run.start()
-        # 1. the first start, until the kill step is recorded and a recover checkpoint is durable
-        durable, looked = None, 0.0
-        while True:
+        run.start(pause_at=kill_at)
+        # 1. the first start, until it stops itself right after the kill step (a recover checkpoint durable)
+        while not run.paused():
             ref.check()
             if run.check() is not None:
                 raise DemoMismatchError(f"{run.label} finished all {total} steps before it could be killed (no recover "
                                         f"checkpoint was durable after step {kill_at}); lower kill.at_step")
-            if durable is None and time.monotonic() - looked > 0.05:  # durable once, durable for good
-                durable, looked = _durable_resume_step(run_dir), time.monotonic()
-                if durable is not None:
-                    note(f"{cfg.trial_name}: the recover checkpoint after step {durable} is durable")
-            if durable is not None and run.tail.poll() >= kill_at:
-                break
             progress()
-            time.sleep(0.002)
+            time.sleep(0.01)
+        run.tail.poll()
+        note(f"{cfg.trial_name}: the worker stopped itself after step {run.tail.last_step}, as asked (a step "
+             "boundary chosen in advance)")
         pid = run.proc.pid  # type: ignore[union-attr]
         run.sigkill()
         rc_killed = run.proc.returncode  # type: ignore[union-attr]
