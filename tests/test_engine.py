@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import pickle
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -144,6 +143,21 @@ def _gate_commit(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return gate
 
 
+def _waits_for_a_save_in_flight(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set when another thread starts waiting for an unfinished save (``BackgroundWorker.join``
+    with a job in flight): with the commit gated, that thread then stays in the wait."""
+    entered = threading.Event()
+    original, caller = BackgroundWorker.join, threading.get_ident()
+
+    def join(self: BackgroundWorker) -> None:
+        if self.in_flight is not None and threading.get_ident() != caller:
+            entered.set()
+        original(self)
+
+    monkeypatch.setattr(BackgroundWorker, "join", join)
+    return entered
+
+
 def test_second_async_save_waits_for_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = _gate_commit(monkeypatch)
     eng = DCPEngine()
@@ -151,10 +165,11 @@ def test_second_async_save_waits_for_the_first(tmp_path: Path, monkeypatch: pyte
     eng.save(state, tmp_path / "a", asynchronous=True)
     assert eng.in_flight == str(tmp_path / "a")
 
+    waiting = _waits_for_a_save_in_flight(monkeypatch)
     second = threading.Thread(target=eng.save, args=(state, tmp_path / "b"), kwargs={"asynchronous": True})
     second.start()
-    time.sleep(0.3)
-    assert second.is_alive(), "second save did not wait for the first"
+    assert waiting.wait(30), "second save did not wait for the first"
+    assert second.is_alive()
     assert not (tmp_path / "b").exists()
     gate.set()
     second.join(30)
@@ -167,9 +182,10 @@ def test_remove_of_in_flight_path_waits(tmp_path: Path, monkeypatch: pytest.Monk
     gate = _gate_commit(monkeypatch)
     eng = DCPEngine()
     eng.save({"w": torch.randn(64)}, tmp_path / "a", asynchronous=True)
+    waiting = _waits_for_a_save_in_flight(monkeypatch)
     remover = threading.Thread(target=eng.remove, args=(tmp_path / "a",))
     remover.start()
-    time.sleep(0.3)
+    assert waiting.wait(30), "the removal did not wait for the save in flight"
     assert remover.is_alive() and (tmp_path / "a").exists()
     gate.set()
     remover.join(30)
@@ -351,10 +367,11 @@ def test_another_engine_loading_an_in_flight_path_waits_for_it(tmp_path: Path, m
     writer, reader = DCPEngine(), DCPEngine()
     writer.save({"w": torch.arange(8.0)}, tmp_path / "a", asynchronous=True)
     result: dict = {}
+    waiting = _waits_for_a_save_in_flight(monkeypatch)
     loader = threading.Thread(target=lambda: result.update(reader.load(tmp_path / "a")))
     loader.start()
-    time.sleep(0.3)
-    assert loader.is_alive(), "the load did not wait for the save in flight"
+    assert waiting.wait(30), "the load did not wait for the save in flight"
+    assert loader.is_alive()
     gate.set()
     loader.join(30)
     assert torch.equal(result["w"], torch.arange(8.0))
