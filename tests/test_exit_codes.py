@@ -5,13 +5,16 @@ without an active exception``, SIGABRT, rc -6): at interpreter exit a checkpoint
 was still held, and freeing it during finalization woke a gloo worker thread that had to drop
 a Python tensor of the last collective; Python ends such a thread from inside a C++ destructor
 (core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` -> ``THPVariable_dealloc``
--> ``take_gil`` -> ``PyThread_exit_thread`` -> ``std::terminate``). Measured before the fix with
-this stress: 2 of 60 jobs had a rank abort.
+-> ``take_gil`` -> ``PyThread_exit_thread`` -> ``std::terminate``).
 
 ``tests/stress/exit_stress.py`` runs short 2-rank jobs -- DDP and FSDP1, sync and async saves,
 ending normally (0), by preemption (75) and by a user exception (1) -- and this test requires
 every process to exit with its code, and none of the plugin's gloo threads to be alive when the
-interpreter is about to finalize (a deterministic check of the cause, whatever the scheduling).
+interpreter is about to finalize. Measured with the harness before the fix: 2 of 224 jobs had a
+rank abort (0.9 %), and each of the 192 processes checked still had 8 plugin gloo workers at
+exit; after it: 0 of 324 jobs, and none in any of 528 processes checked. An abort rate that low would slip through a CI-sized stress about
+half the time, so the second check -- the cause itself, independent of scheduling -- is what
+makes this test fail on the code before the fix, every time.
 """
 
 from __future__ import annotations
