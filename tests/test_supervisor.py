@@ -69,3 +69,29 @@ def test_no_command_or_bad_retries_is_an_error() -> None:
     assert run(["--"]).returncode == 2
     bad = run(["--retries", "-1", "--", sys.executable, "-c", "pass"])
     assert bad.returncode == 2 and "--retries" in bad.stderr
+
+
+def test_a_signal_while_the_child_is_being_started_reaches_it_and_stops(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C can come at any instant, also between starting a child and waiting for it. (Here it
+    is sent from inside the start, so the instant is exact; the real child is still started.)
+    The supervisor must not die of it leaving the child orphaned: the child gets the signal,
+    nothing is retried."""
+    import os
+
+    from areal_lightning.tools import supervisor
+
+    real_popen, started = subprocess.Popen, []
+
+    def popen_signalled_meanwhile(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to this (the supervisor's) process now
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", popen_signalled_meanwhile)
+    messages: list[str] = []
+    script = "import sys, time; open(sys.argv[1], 'a').write('x\\n'); time.sleep(60)"
+    rc = supervisor.run_with_retries([sys.executable, "-c", script, str(tmp_path / "log")], retries=3,
+                                     echo=messages.append)
+    assert rc == 128 + signal.SIGINT and len(started) == 1
+    assert started[0].returncode == -signal.SIGINT  # the child was ended by the forwarded signal
+    assert messages[-1] == "[areal-lightning run] stopped by SIGINT; not retrying"

@@ -51,30 +51,40 @@ def run_with_retries(
         raise ValueError(f"retries: expected an integer >= 0, got {retries!r}")
     total = retries + 1
     rc = 0
-    for attempt in range(1, total + 1):
-        echo(f"[areal-lightning run] attempt {attempt}/{total}: {shlex.join(command)}")
-        env = {**os.environ, ATTEMPT_ENV: str(attempt)}
-        proc = subprocess.Popen(list(command), env=env)
-        stop = {"signal": None}
+    stop: dict[str, int | None] = {"signal": None}
+    running: dict[str, subprocess.Popen | None] = {"proc": None}
 
-        def forward(signum: int, _frame: object) -> None:
-            stop["signal"] = signum
-            if proc.poll() is None:
-                proc.send_signal(signum)
+    def forward(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+        proc = running["proc"]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
 
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
+    # Installed before the first child starts: a signal at any moment (even while a child is
+    # being started) stops the retries and reaches the child, never leaving it orphaned.
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for attempt in range(1, total + 1):
+            if stop["signal"] is not None:
+                break
+            echo(f"[areal-lightning run] attempt {attempt}/{total}: {shlex.join(command)}")
+            env = {**os.environ, ATTEMPT_ENV: str(attempt)}
+            proc = running["proc"] = subprocess.Popen(list(command), env=env)
+            if stop["signal"] is not None and proc.poll() is None:  # arrived while it was being started
+                proc.send_signal(stop["signal"])
             rc = proc.wait()
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-        if stop["signal"] is not None:
-            echo(f"[areal-lightning run] stopped by {signal.Signals(stop['signal']).name}; not retrying")
-            return _exit_code(rc) if rc else 128 + stop["signal"]
-        if rc == 0:
-            echo(f"[areal-lightning run] attempt {attempt}/{total} succeeded")
-            return 0
-        left = total - attempt
-        echo(f"[areal-lightning run] attempt {attempt}/{total} failed ({_describe(rc)})"
-             + (f"; retrying, {left} {'retry' if left == 1 else 'retries'} left" if left else "; no retries left"))
+            if stop["signal"] is not None:
+                break
+            if rc == 0:
+                echo(f"[areal-lightning run] attempt {attempt}/{total} succeeded")
+                return 0
+            left = total - attempt
+            echo(f"[areal-lightning run] attempt {attempt}/{total} failed ({_describe(rc)})"
+                 + (f"; retrying, {left} {'retry' if left == 1 else 'retries'} left" if left else "; no retries left"))
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if stop["signal"] is not None:
+        echo(f"[areal-lightning run] stopped by {signal.Signals(stop['signal']).name}; not retrying")
+        return _exit_code(rc) if rc else 128 + stop["signal"]
     return _exit_code(rc)
