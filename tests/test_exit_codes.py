@@ -49,8 +49,7 @@ def test_short_2_rank_jobs_always_exit_with_their_expected_code(tmp_path: Path) 
     assert proc.returncode == 0 and summary["jobs"] == 12 * ROUNDS
     # The cause, checked on every process: at exit, after the plugin's hooks, the only gloo worker
     # threads alive are the default process group's two (Lightning creates it and never destroys it).
-    results = json.loads(summary_file.read_text())
-    for job in results["all"]:
+    for job in summary["all"]:
         for rank, threads in job["threads_at_exit"].items():
             assert threads is not None, f"{job['kind']} rank {rank} recorded no exit state"
             assert threads.get("pt_gloo_runloop", 0) == 2, (job["kind"], rank, threads)

@@ -30,7 +30,6 @@ import collections
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cpu)
@@ -140,12 +140,6 @@ def _record_exit_state(job: Job) -> None:
     (job.root / f"rank{job.rank}.exit.json").write_text(json.dumps({"threads": _threads()}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fork_rank(job: Job, port: int) -> int:
     pid = os.fork()
     if pid:
@@ -217,7 +211,7 @@ def stress(out: Path, kinds: list[str], rounds: int, timeout: float, parallel: i
             r, kind = queue.pop(0)
             root = out / f"{r:03d}-{kind}"
             root.mkdir(parents=True)
-            port = _free_port()
+            port = find_free_network_port()
             running.append(_Running(kind, r, root, {rank: _fork_rank(Job(kind, rank, root), port) for rank in (0, 1)},
                                     time.monotonic(), {}))
         for job in [j for j in running if j.poll(timeout)]:
