@@ -50,6 +50,7 @@ _EXPORTS = {
     "CheckpointWriteError": "areal_lightning.errors",
     "RankFailure": "areal_lightning.errors",
     "RecoverMismatchError": "areal_lightning.errors",
+    "TrialLockedError": "areal_lightning.errors",
     "AreaLightningError": "areal_lightning.errors",
     "Preempted": "areal_lightning.trigger.preempt",
     "PREEMPTED_EXIT_CODE": "areal_lightning.trigger.preempt",

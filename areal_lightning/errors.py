@@ -7,7 +7,9 @@
     ├── CheckpointCorruptError (also a RuntimeError) a checkpoint on disk is incomplete, altered or foreign
     ├── CheckpointWriteError   (also a RuntimeError) a save (or its background job) failed; names the path
     │   └── RankFailure                              another rank failed or did not arrive in time
-    └── RecoverMismatchError   (also a RuntimeError) the recover checkpoint belongs to a different run
+    ├── RecoverMismatchError   (also a RuntimeError) the recover checkpoint belongs to a different run
+    │                                                or does not fit this run's data or loaders
+    └── TrialLockedError       (also a RuntimeError) another process is training the same trial
 
 ``except AreaLightningError`` catches all of them; the second base keeps the built-in type
 each one had before (``pytest.raises(ValueError)`` still matches a ``ConfigError``).
@@ -22,6 +24,8 @@ __all__ = [
     "CheckpointWriteError",
     "RankFailure",
     "RecoverMismatchError",
+    "TrialLockedError",
+    "start_fresh",
 ]
 
 
@@ -53,3 +57,14 @@ class RankFailure(CheckpointWriteError):
 class RecoverMismatchError(AreaLightningError, RuntimeError):
     """The recover checkpoint was written by a run that differs from this one (world size,
     strategy, experiment, trial); the message explains what differs and what to do."""
+
+
+class TrialLockedError(AreaLightningError, RuntimeError):
+    """Another process holds the trial's lock: two runs must not write the same trial."""
+
+
+def start_fresh(info_dir: object = None, sentence: bool = False) -> str:
+    """The remedy every resume error ends with: delete the trial's ``recover_info/`` (the
+    checkpoint beside it is then not resumed, and the next save replaces it)."""
+    text = f"delete {info_dir if info_dir is not None else 'recover_info/'} to start fresh"
+    return text[0].upper() + text[1:] if sentence else text

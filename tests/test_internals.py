@@ -285,25 +285,37 @@ def test_no_other_module_touches_any_private_name_of_another_library() -> None:
     assert not offenders, "private names of other libraries outside lightning/_internals.py:\n" + "\n".join(offenders)
 
 
-class ValProbe(Callback):
-    """Records, at each batch end, whether a validation follows, and which validations ran."""
+class StepProbe(Callback):
+    """Wires the save-point accessors; records, at each of them, what Lightning has run so far."""
 
     def __init__(self) -> None:
         self.patch = internals.Patch()
-        self.follows: list[tuple[int, bool]] = []
-        self.ran: list[tuple[int, bool]] = []
+        self.events: list[tuple] = []
 
     def setup(self, trainer, pl_module, stage):
-        def make_run(original):
-            def run():
-                self.ran.append((trainer.global_step, trainer.sanity_checking))
-                return original()
-            return run
+        def make_step_end(original):
+            def on_advance_end(data_fetcher):
+                original(data_fetcher)
+                self.events.append(("step_end", trainer.global_step, internals.epoch_loop_ends(trainer)))
+            return on_advance_end
 
-        internals.wrap_validation_run(trainer, self.patch, make_run)
+        def make_epoch_end(original):
+            def on_advance_end():
+                original()
+                self.events.append(("epoch_end", trainer.global_step, trainer.current_epoch))
+            return on_advance_end
+
+        internals.wrap_step_end(trainer, self.patch, make_step_end)
+        internals.wrap_epoch_end(trainer, self.patch, make_epoch_end)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.follows.append((batch_idx, internals.validation_follows(trainer)))
+        self.events.append(("batch_end", trainer.global_step))
+
+    def on_validation_end(self, trainer, pl_module):
+        self.events.append(("val_end", trainer.global_step, trainer.sanity_checking))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.events.append(("train_epoch_end", trainer.global_step))
 
     def teardown(self, trainer, pl_module, stage):
         self.patch.undo()
@@ -317,19 +329,100 @@ class TinyVal(Tiny):
         return loader(4)
 
 
-def test_validation_follows(tmp_path: Path) -> None:
-    probe = ValProbe()
-    trainer([probe], tmp_path, val_check_interval=2, num_sanity_val_steps=1).fit(TinyVal(), loader(12))
-    # 6 batches, validation after batches 1, 3, 5 (the last is also the epoch-end one)
-    assert probe.follows == [(0, False), (1, True), (2, False), (3, True), (4, False), (5, True)]
-
-
-def test_wrap_validation_run(tmp_path: Path) -> None:
-    probe = ValProbe()
+def _probe_fit(tmp_path: Path) -> tuple[StepProbe, pl.Trainer]:
+    probe = StepProbe()
     t = trainer([probe], tmp_path, val_check_interval=2, num_sanity_val_steps=1)
-    t.fit(TinyVal(), loader(12))
-    assert probe.ran == [(0, True), (2, False), (4, False), (6, False)]  # the sanity check, then every 2 steps
-    assert "run" not in t.fit_loop.epoch_loop.val_loop.__dict__
+    t.fit(TinyVal(), loader(6))  # 3 batches; validation after batch 1 and at the epoch's end
+    return probe, t
+
+
+def test_wrap_step_end(tmp_path: Path) -> None:
+    probe, t = _probe_fit(tmp_path)
+    # after each batch's hooks and after the validation due after it
+    assert probe.events[:5] == [("val_end", 0, True), ("batch_end", 1), ("step_end", 1, False), ("batch_end", 2),
+                                ("val_end", 2, False)]
+    assert probe.events[5] == ("step_end", 2, False)
+    assert "on_advance_end" not in t.fit_loop.epoch_loop.__dict__
+
+
+def test_epoch_loop_ends(tmp_path: Path) -> None:
+    probe, _ = _probe_fit(tmp_path)
+    assert [e[2] for e in probe.events if e[0] == "step_end"] == [False, False, True]  # the last batch ends the epoch
+
+
+def test_wrap_epoch_end(tmp_path: Path) -> None:
+    probe, t = _probe_fit(tmp_path)
+    # after the last batch, its validation and every on_train_epoch_end; the epoch counted complete
+    assert probe.events[-3:] == [("step_end", 3, True), ("train_epoch_end", 3), ("epoch_end", 3, 1)]
+    assert "on_advance_end" not in t.fit_loop.__dict__
+
+
+class ResumeProbe(Callback):
+    """Records the loop events of a resumed fit and wires continue_after_save_point."""
+
+    def __init__(self, epoch_end) -> None:
+        self.patch = internals.Patch()
+        self.epoch_end = epoch_end
+        self.events: list[tuple] = []
+
+    def setup(self, trainer, pl_module, stage):
+        internals.continue_after_save_point(trainer, self.patch, lambda: self.epoch_end)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.events.append(("epoch_start", trainer.current_epoch))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # with the step the loggers log this batch at (Lightning's _batches_that_stepped)
+        self.events.append(("batch", trainer.current_epoch, batch_idx, trainer.global_step,
+                            trainer.fit_loop.epoch_loop._batches_that_stepped))
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.events.append(("val_end", trainer.global_step))
+
+    def teardown(self, trainer, pl_module, stage):
+        self.patch.undo()
+
+
+class SaveAt(Callback):
+    """Saves a Lightning checkpoint at the save point after global step ``step``."""
+
+    def __init__(self, step: int, path: Path, epoch_end: bool) -> None:
+        self.patch, self.step, self.path, self.epoch_end = internals.Patch(), step, path, epoch_end
+
+    def setup(self, trainer, pl_module, stage):
+        def make(original):
+            def on_advance_end(*args):
+                original(*args)
+                if trainer.global_step == self.step and not self.path.exists():
+                    trainer.save_checkpoint(self.path)
+            return on_advance_end
+
+        (internals.wrap_epoch_end if self.epoch_end else internals.wrap_step_end)(trainer, self.patch, make)
+
+    def teardown(self, trainer, pl_module, stage):
+        self.patch.undo()
+
+
+@pytest.mark.parametrize("epoch_end", [False, True])
+def test_continue_after_save_point(tmp_path: Path, epoch_end: bool) -> None:
+    """A checkpoint taken at the save point after step 2 (validation due there) / after the
+    first epoch (3 steps) continues with the next step: nothing run twice, nothing skipped;
+    with ``max_steps`` (Lightning restarts even finished epochs then) too."""
+    step = 3 if epoch_end else 2
+    for extra in ({}, {"max_steps": 7}):
+        ckpt = tmp_path / f"save-{epoch_end}-{bool(extra)}.ckpt"
+        full = ResumeProbe(None)
+        trainer([full, SaveAt(step, ckpt, epoch_end)], tmp_path, val_check_interval=2, num_sanity_val_steps=0,
+                max_epochs=3, **extra).fit(TinyVal(), loader(6))
+        resumed = ResumeProbe(epoch_end)
+        trainer([resumed], tmp_path, val_check_interval=2, num_sanity_val_steps=0, max_epochs=3,
+                **extra).fit(TinyVal(), loader(6), ckpt_path=ckpt)
+        first = next(i for i, e in enumerate(full.events) if e[0] == "batch" and e[3] == step)
+        want = [e for e in full.events[first:]]
+        if epoch_end:
+            want = full.events[first - 1:]  # the next epoch's start
+        assert resumed.events == want, (extra, resumed.events, want)
 
 
 def test_cluster_environment(tmp_path: Path) -> None:

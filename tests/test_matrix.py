@@ -216,10 +216,14 @@ def compare(case: Case, ref: list[list], ref_result: dict, interrupted: list[lis
                             without(int_m, "train_loss_avg"), without(res_m, "train_loss_avg"), None, "")
         metric_problems += rest or ["logged metrics without train_loss_avg: equal"]
     problems += [where + p for p in metric_problems]
-    for key in ("global_step", "current_epoch", "model_checkpoint", "early_stopping"):
+    for key in ("global_step", "current_epoch", "model_checkpoint", "early_stopping", "hook_state"):
         if ref_result.get(key) != resumed_result.get(key):
             problems.append(f"{where}{key}: resumed run ends with {resumed_result.get(key)}, "
                             f"the reference with {ref_result.get(key)}")
+    ref_w, res_w = ref_result.get("weights") or {}, resumed_result.get("weights") or {}
+    differ = sorted(k for k in ref_w.keys() | res_w.keys() if ref_w.get(k) != res_w.get(k))
+    if differ:
+        problems.append(f"{where}final weights and buffers: {len(differ)} of {len(ref_w)} tensors differ: {differ}")
     return problems
 
 
@@ -295,7 +299,11 @@ _SCRIPT_REFERENCES: dict[Job, list[tuple[list[list], dict]]] = {}  # per rank: (
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(KILL_CASES))
 def test_sigkilled_process_resumes_bit_for_bit(name, tmp_path, tmp_path_factory) -> None:
-    case = KILL_CASES[name]
+    run_kill_case(KILL_CASES[name], tmp_path, tmp_path_factory)
+
+
+def run_kill_case(case: Case, tmp_path: Path, tmp_path_factory) -> None:
+    """Reference (per rank), the run SIGKILLed at ``case.crash_at``, the same command again: compared."""
     if case.job.devices == 1:  # the in-process reference (same code, same single process: bit for bit)
         refs = [reference(case.job, tmp_path_factory)]
     else:

@@ -27,7 +27,7 @@ from areal_lightning import (
     callbacks_from_config,
 )
 from areal_lightning.commit.recover_store import INFO_FILES
-from areal_lightning.errors import RecoverMismatchError
+from areal_lightning.errors import RecoverMismatchError, TrialLockedError
 from tests.conftest import LMModule, tiny_llama, token_loader
 
 
@@ -372,8 +372,20 @@ def test_a_second_run_on_the_same_trial_is_refused(tmp_path) -> None:
             if trainer_.global_step == 1:
                 trainer([recover(tmp_path)]).fit(Net(), plain_loader())
 
-    with pytest.raises(RuntimeError, match="being trained by another process"):
+    with pytest.raises(TrialLockedError, match="being trained by another process"):
         trainer([recover(tmp_path), SecondRun()]).fit(Net(), plain_loader())
+
+
+@pytest.mark.parametrize("change", ["batch_size", "shorter_dataset"])
+def test_a_changed_loader_or_dataset_is_a_recover_mismatch_with_the_remedy(tmp_path, change) -> None:
+    run(tmp_path, crash_at=6)  # checkpoint after step 4: 4 of the epoch's 10 batches trained
+    loader = (lambda: DataLoader(Data(), batch_size=5, shuffle=True)) if change == "batch_size" else \
+        (lambda: DataLoader(Data(12), batch_size=4, shuffle=True))
+    with pytest.raises(RecoverMismatchError) as info:
+        run(tmp_path, loader_fn=loader)
+    assert f"delete {trial(tmp_path) / 'recover_info'} to start fresh" in str(info.value) or \
+        "delete recover_info/ to start fresh" in str(info.value)
+    assert ("batch_size=5" if change == "batch_size" else "ended after 3 batches") in str(info.value)
 
 
 def test_user_checkpoint_io_other_than_dcp_is_refused(tmp_path) -> None:
@@ -453,9 +465,10 @@ class _Opaque:
 
 def test_auto_resume_unpickles_with_weights_only_unless_told_otherwise(tmp_path) -> None:
     """Auto-resume loads the non-tensor state with weights_only=True: an arbitrary object in
-    the hyper-parameters is refused with an explanation (nothing touched); allowlisting the
-    type or weights_only=False (trusted storage) resumes."""
-    run(tmp_path, crash_at=6, module_kwargs={"opaque": _Opaque(3)})
+    the hyper-parameters of a checkpoint written with weights_only=False (a run with the default
+    refuses it at its first save: tests/test_loadable_state.py) is refused with an explanation
+    (nothing touched); allowlisting the type or weights_only=False (trusted storage) resumes."""
+    run(tmp_path, crash_at=6, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs={"weights_only": False})
     before = snapshot(tmp_path)
     with pytest.raises(pickle.UnpicklingError, match="weights_only=True.*add_safe_globals"):
         run(tmp_path, module_kwargs={"opaque": _Opaque(3)})

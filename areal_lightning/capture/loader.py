@@ -48,6 +48,8 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from areal_lightning.errors import RecoverMismatchError, start_fresh
+
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
 
 log = logging.getLogger(__name__)
@@ -155,7 +157,7 @@ class _TrackedSampler:
                 indices = iter(self._inner)
                 dropped = done = _drop(indices, count)
             if done < count or (plain_batches and dropped < count * bs):
-                raise RuntimeError(_ended_early(done, count))
+                raise RecoverMismatchError(_ended_early(done, count))
         finally:
             torch.set_rng_state(current)
         self._tracker._note(self._index, f"skipped {count} trained batches at the sampler "
@@ -179,10 +181,19 @@ def _drop(iterator: Iterator[Any], n: int) -> int:
 _END = object()
 
 
+def _check_batch_size(loader: Any, index: int, pending: dict[str, Any]) -> None:
+    want = pending.get("batch_size")
+    if want is not None and getattr(loader, "batch_size", want) != want:
+        raise RecoverMismatchError(
+            f"resume: train dataloader {index} has batch_size={loader.batch_size}, but the checkpoint was "
+            f"written with batch_size={want}; the saved position would point at other samples. Use the "
+            f"same batch size, or {start_fresh()}.")
+
+
 def _ended_early(done: int, wanted: int) -> str:
     return (f"resume: the train dataloader ended after {done} batches, but the checkpoint was taken after "
             f"{wanted} batches of this epoch; the dataset changed since the checkpoint was written. Restore it, "
-            "or delete recover_info/ to start fresh.")
+            f"or {start_fresh()}.")
 
 
 class _TrackedIterator:
@@ -245,7 +256,7 @@ class _TrackedIterator:
         try:
             for done in range(self._replay):
                 if next(self._inner, _END) is _END:
-                    raise RuntimeError(_ended_early(done, self._replay))
+                    raise RecoverMismatchError(_ended_early(done, self._replay))
         finally:
             torch.set_rng_state(training_rng)
         took = time.perf_counter() - start
@@ -350,6 +361,9 @@ class LoaderTracker:
             cls = cls.__mro__[1]
         # One subclass per loader; its class attributes survive Lightning re-instantiating
         # the loader (DistributedSampler injection builds a new object of the same class).
+        pending = self._pending.get(index)
+        if pending is not None:  # raised here, before Lightning iterates (its teardown would mask it)
+            _check_batch_size(loader, index, pending)
         sub = _resumable_subclass(cls)
         sub._areal_tracker = self
         sub._areal_index = index
@@ -434,12 +448,7 @@ class LoaderTracker:
         pending = self._pending.pop(index, None)
         gen = _sampler_generator(loader, self._unwrap_sampler)
         if pending is not None:
-            want_bs = pending.get("batch_size")
-            if want_bs is not None and getattr(loader, "batch_size", want_bs) != want_bs:
-                raise RuntimeError(
-                    f"resume: train dataloader {index} has batch_size={loader.batch_size}, but the checkpoint was "
-                    f"written with batch_size={want_bs}; the saved position would point at other samples. Use the "
-                    "same batch size, or delete recover_info/ to start fresh.")
+            _check_batch_size(loader, index, pending)
             sampler = _index_sampler(loader)
             if pending.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
                 # Lightning creates the resumed iterator before it sets the sampler's epoch; a

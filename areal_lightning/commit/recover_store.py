@@ -39,7 +39,7 @@ from areal_lightning.commit.atomic import (
     write_json,
 )
 from areal_lightning.commit.manifest import check_files, metadata_checksum
-from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.errors import CheckpointCorruptError, TrialLockedError, start_fresh
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     COMMIT_MARKER,
@@ -68,15 +68,15 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointCorruptError(
-            f"{path} is missing; recover_info/ is incomplete. Delete {path.parent} to start fresh."
+            f"{path} is missing; recover_info/ is incomplete. {start_fresh(path.parent, sentence=True)}."
         ) from None
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(
-            f"{path} is not valid JSON ({exc}); delete {path.parent} to start fresh."
+            f"{path} is not valid JSON ({exc}); {start_fresh(path.parent)}."
         ) from exc
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{path} holds {type(data).__name__}, expected a JSON object; "
-                                     f"delete {path.parent} to start fresh.")
+                                     f"{start_fresh(path.parent)}.")
     return data
 
 
@@ -98,7 +98,7 @@ class TrialLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise ``RuntimeError`` naming the process that holds it."""
+        """Take the lock or raise :class:`TrialLockedError` naming the process that holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -106,7 +106,7 @@ class TrialLock:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RuntimeError(
+            raise TrialLockedError(
                 f"{self.path.parent} is being trained by another process (pid {holder}); two runs must not "
                 "write the same trial. Stop the other run or use another trial_name.") from None
         except OSError as exc:
@@ -276,23 +276,23 @@ class RecoverStore:
             raise CheckpointCorruptError(
                 f"{path}: format_version {ckpt.get('format_version')!r} is not {FORMAT_VERSION}, "
                 "the version this areal-lightning reads; resume with the version that wrote it, "
-                f"or delete {self.info_dir} to start fresh."
+                f"or {start_fresh(self.info_dir)}."
             )
         for key, types in (("global_step", int), ("files", dict), ("world_size", int), ("strategy", str),
                            ("experiment_name", str), ("trial_name", str)):
             if not isinstance(ckpt.get(key), types):
                 raise CheckpointCorruptError(
-                    f"{path}: {key!r} is missing or not a {types.__name__}; delete {self.info_dir} to start fresh.")
+                    f"{path}: {key!r} is missing or not a {types.__name__}; {start_fresh(self.info_dir)}.")
         step_path = self.info_dir / STEP_INFO
         for key in ("epoch", "epoch_step", "global_step"):
             if not isinstance(step.get(key), int):
                 raise CheckpointCorruptError(
-                    f"{step_path}: {key!r} is missing or not an integer; delete {self.info_dir} to start fresh.")
+                    f"{step_path}: {key!r} is missing or not an integer; {start_fresh(self.info_dir)}.")
         if step.get("global_step") != ckpt["global_step"] - 1:
             raise CheckpointCorruptError(
                 f"{step_path} says global step {step.get('global_step')!r} but "
                 f"{path} describes a checkpoint after {ckpt['global_step']} steps: recover_info/ does not "
-                f"describe the checkpoint that is there. Delete {self.info_dir} to start fresh."
+                f"describe the checkpoint that is there. {start_fresh(self.info_dir, sentence=True)}."
             )
         return info
 
@@ -309,9 +309,9 @@ class RecoverStore:
         if not self.ckpt_dir.is_dir():
             raise CheckpointCorruptError(
                 f"{self.ckpt_dir} is missing although {self.info_dir} describes a checkpoint after "
-                f"{checkpoint_info['global_step']} steps; delete {self.info_dir} to start fresh."
+                f"{checkpoint_info['global_step']} steps; {start_fresh(self.info_dir)}."
             )
-        hint = f"the recover checkpoint is damaged; restore the file or delete {self.info_dir} to start fresh"
+        hint = f"the recover checkpoint is damaged; restore the file or {start_fresh(self.info_dir)}"
         return check_files(self.ckpt_dir, checkpoint_info["files"], self.info_dir / CHECKPOINT_INFO, hint, data=data)
 
 
@@ -333,6 +333,8 @@ class RecoverCommit:
         self.tmp = store.tmp_ckpt_dir(gen)
         self.written: Written | None = None
         """What the DCP save wrote (its manifest included), set by the writer before :meth:`finalize`."""
+        self.check: Callable[[dict[str, Any]], None] | None = None
+        """Called with the checkpoint dict before anything is written (rank 0); raises to refuse it."""
 
     def create(self) -> Path:
         """Create the temporary DCP folder of this save."""

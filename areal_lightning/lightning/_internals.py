@@ -22,10 +22,11 @@ Why each is needed (public Lightning has no equivalent):
   Lightning's own callbacks build theirs, so several instances coexist in one Trainer.
 * the user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``dataset._sampler``),
   whose generator holds the epoch's permutation.
-* validation-exact saves: whether the validation Lightning runs after this batch is due
-  (``epoch_loop._should_check_val_fx(fit_loop._data_fetcher)``, ``epoch_loop._skip_next_val``);
-  no hook runs between that validation and the next batch's fetch, so a save that must follow
-  the validation wraps ``epoch_loop.val_loop.run``.
+* the save point after everything Lightning runs for a step: no hook runs after the validation
+  due after a batch, the schedulers and the epoch's end, so the save wraps
+  ``fit_loop.epoch_loop.on_advance_end`` and ``fit_loop.on_advance_end``; a checkpoint taken
+  there is continued with the next step by taking over Lightning's restart decisions
+  (``fit_loop.reset``, ``epoch_loop.reset``, ``_restarting``).
 * epoch-aggregated training metrics (``self.log(..., on_epoch=True)``) across a mid-epoch
   resume: Lightning accumulates them in ``fit_loop.epoch_loop._results`` and saves them nowhere.
 * preemption under ``SLURMEnvironment(auto_requeue=True)``: the cluster environment of any
@@ -54,8 +55,10 @@ __all__ = [
     "redirect_logger",
     "wrapped_sampler",
     "callback_state_key",
-    "validation_follows",
-    "wrap_validation_run",
+    "wrap_step_end",
+    "wrap_epoch_end",
+    "epoch_loop_ends",
+    "continue_after_save_point",
     "cluster_environment",
     "train_epoch_metrics",
     "continue_train_epoch_metrics",
@@ -64,7 +67,7 @@ __all__ = [
 PRIVATE_NAMES = (
     "_checkpoint_connector", "_loaded_checkpoint", "_data_source", "_combined_loader", "_data_fetcher",
     "_checkpoint_io", "_WrappingCheckpointIO", "_state_dict_type", "_save_distributed_checkpoint",
-    "_experiment", "_version", "_sampler", "_generate_state_key", "_should_check_val_fx", "_skip_next_val",
+    "_experiment", "_version", "_sampler", "_generate_state_key", "_restarting",
     "_accelerator_connector", "_results",
 )
 """The Lightning private names used here (and nowhere else in the package)."""
@@ -195,20 +198,73 @@ def callback_state_key(callback: Any, **kwargs: Any) -> str:
     return callback._generate_state_key(**kwargs)
 
 
-def validation_follows(trainer: Any) -> bool:
-    """At ``on_train_batch_end``: whether Lightning runs a validation right after this batch
-    (``fit_loop.epoch_loop._should_check_val_fx`` on ``fit_loop._data_fetcher``, unless the
-    loop skips it after a resume: ``_skip_next_val``)."""
+def wrap_step_end(trainer: Any, patch: Patch,
+                  make: Callable[[Callable[[Any], None]], Callable[[Any], None]]) -> None:
+    """Replace ``trainer.fit_loop.epoch_loop.on_advance_end(data_fetcher)`` by ``make(original)``.
+    Lightning calls it after every hook of a batch (each callback's and the module's
+    ``on_train_batch_end``, the logger connector); it runs the validation due after the batch,
+    the plateau schedulers and the logger flush. Nothing else runs before the next batch."""
     loop = trainer.fit_loop.epoch_loop
-    check = _require(loop, "_should_check_val_fx", "fit_loop.epoch_loop")
-    return not getattr(loop, "_skip_next_val", False) and bool(check(trainer.fit_loop._data_fetcher))
+    patch.set(loop, "on_advance_end", make(_require(loop, "on_advance_end", "fit_loop.epoch_loop")))
 
 
-def wrap_validation_run(trainer: Any, patch: Patch, make: Callable[[Callable[[], Any]], Callable[[], Any]]) -> None:
-    """Replace ``trainer.fit_loop.epoch_loop.val_loop.run()`` (every validation of the fit,
-    the sanity check included) by ``make(original)``."""
-    loop = trainer.fit_loop.epoch_loop.val_loop
-    patch.set(loop, "run", make(_require(loop, "run", "fit_loop.epoch_loop.val_loop")))
+def wrap_epoch_end(trainer: Any, patch: Patch, make: Callable[[Callable[[], None]], Callable[[], None]]) -> None:
+    """Replace ``trainer.fit_loop.on_advance_end()`` (the end of an epoch: every
+    ``on_train_epoch_end`` in Lightning's order, the epoch-interval schedulers, the epoch
+    metrics logged, the epoch counted complete) by ``make(original)``."""
+    loop = trainer.fit_loop
+    patch.set(loop, "on_advance_end", make(_require(loop, "on_advance_end", "fit_loop")))
+
+
+def epoch_loop_ends(trainer: Any) -> bool:
+    """After a batch's ``on_advance_end``: whether the epoch loop stops now (``fit_loop.epoch_loop.done``:
+    the epoch's last batch, ``max_steps`` reached, or a stop requested), so that the epoch's end
+    follows before the next step."""
+    return bool(trainer.fit_loop.epoch_loop.done)
+
+
+def continue_after_save_point(trainer: Any, patch: Patch, epoch_end: Callable[[], bool | None]) -> None:
+    """Make Lightning continue a checkpoint taken at the save point (after a step's
+    ``on_advance_end``, or after an epoch's) with the next step, nothing run twice or skipped.
+
+    Lightning's restart logic (``restarting``, restart stages) expects checkpoints taken inside
+    a hook and finishes what followed that hook: after a mid-epoch checkpoint whose step had a
+    validation due it skips the next batch's training and runs that step's ``on_advance_end``
+    again; after a restart it does not step plateau schedulers at the epoch end; with
+    ``max_steps`` an epoch-end checkpoint runs the epoch's end again. ``epoch_end()`` (read when
+    the fit loop resets, after the checkpoint's callback states are loaded) says where the
+    loaded checkpoint was taken (``None``: not at the save point; Lightning's logic applies).
+    Mid-epoch the loops restart (the epoch continues at the saved batch) and then stop
+    restarting (``_restarting``) before the next batch; at an epoch end the next epoch
+    starts as in a run that never stopped. One-shot wrappers of ``fit_loop.reset`` and
+    ``fit_loop.epoch_loop.reset``."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    fit_reset = _require(fit_loop, "reset", "fit_loop")
+    epoch_reset = _require(epoch_loop, "reset", "fit_loop.epoch_loop")
+
+    def reset_fit() -> None:
+        fit_loop.__dict__.pop("reset", None)
+        where = epoch_end()
+        if where is None:
+            epoch_loop.__dict__.pop("reset", None)
+            return fit_reset()
+        if where:
+            epoch_loop.restarting = False  # and its validation and optimization loops
+            fit_loop._restarting = False  # the setter would keep it with max_steps
+            epoch_loop.__dict__.pop("reset", None)
+            return fit_reset()
+        fit_reset()  # restarted mid-epoch: the epoch-start hooks are not run again
+        fit_loop._restarting = False  # plateau schedulers step at this epoch's end
+        return None
+
+    def reset_epoch() -> None:
+        epoch_loop.__dict__.pop("reset", None)
+        epoch_reset()  # keeps the epoch's batch counters (restarting)
+        epoch_loop.restarting = False  # the next batch trains; its validation is not skipped
+
+    patch.set(fit_loop, "reset", reset_fit)
+    patch.set(epoch_loop, "reset", reset_epoch)
 
 
 def cluster_environment(trainer: Any) -> Any:

@@ -151,9 +151,16 @@ class DCPCheckpointIO(CheckpointIO):
         asynchronous = self.resolved_mode == "async"
         start = time.perf_counter()
         lead = not self._engine.is_collective() or dist.get_rank() == 0
+        check = getattr(target, "check", None)
+
+        def prepare() -> None:
+            if callable(check) and lead:
+                check(checkpoint)  # e.g. refuse what the resume could not load (raised on every rank)
+            target.create()
+
         try:
             self._engine.save(checkpoint, target.tmp, asynchronous=asynchronous, label=target.final,
-                              prepare=target.create, then=_publisher(target) if lead else None)
+                              prepare=prepare, then=_publisher(target) if lead else None)
         except BaseException:
             if lead:
                 target.discard()  # a failed sync save (or one that failed to start) leaves nothing behind

@@ -27,17 +27,12 @@ from areal_lightning.config import (
 )
 from areal_lightning.errors import ConfigError
 from areal_lightning.layout import CHECKPOINT_INFO, TrialLayout
-from areal_lightning.lightning._internals import (
-    callback_state_key,
-    cluster_environment,
-    continue_train_epoch_metrics,
-    validation_follows,
-)
+from areal_lightning.lightning._internals import callback_state_key, cluster_environment
 from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
 from areal_lightning.lightning.recover_session import RecoverSession
-from areal_lightning.lightning.recover_state import RecoverState, at_epoch_boundary
+from areal_lightning.lightning.recover_state import RecoverState
 from areal_lightning.telemetry import Telemetry
-from areal_lightning.trigger import FreqController, StepGate, StepInfo
+from areal_lightning.trigger import FreqController, SaveSchedule, StepInfo
 from areal_lightning.trigger.preempt import (
     DEFAULT_PREEMPT_SIGNALS,
     PREEMPTED_EXIT_CODE,
@@ -167,16 +162,14 @@ class RecoverCallback(Callback):
         self.collective_timeout = validate_timeout(collective_timeout)
         self.on_resume = on_resume
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
-        self.gate = StepGate(self.freq)
         self.fast_forward = exp.recover.fast_forward
         self.preempt = PreemptionWatch(signals)
+        self.schedule = SaveSchedule(self.freq, self.preempt)
         self.preempt_exit_code = preempt_exit_code
-        self._stop_after_save = False
         self._requeue_signal: Any = None
         self.state = RecoverState(self.freq, self.fast_forward)
         self.telemetry = Telemetry()
         self.resumed_from: StepInfo | None = None
-        self._deferred: str | None = None  # a fired save waiting for the validation / epoch end after its batch
         self._session: RecoverSession | None = None
         self._trainer: "pl.Trainer | None" = None
 
@@ -208,11 +201,12 @@ class RecoverCallback(Callback):
         if stage != "fit" or not self.enabled:
             return
         self._trainer = trainer
-        self._session = RecoverSession(self, trainer)
+        self._session = RecoverSession(
+            trainer, store=self.store, state=self.state, telemetry=self.telemetry, experiment=self.experiment,
+            schedule=self.schedule, io_mode=self.io_mode, weights_only=self.weights_only,
+            collective_timeout=self.collective_timeout, save=lambda: self.save(trainer),
+            stop=lambda: self._stop_preempted(trainer))
         self._session.setup()
-        # Run after the other callbacks at each hook, so their state at this step is saved.
-        # (A new list: Lightning is iterating over the current one.)
-        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
         self.freq.start()
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -244,43 +238,11 @@ class RecoverCallback(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.state.pending_epoch_metrics:  # the first batches after a mid-epoch resume
-            continue_train_epoch_metrics(trainer, self.state.pending_epoch_metrics)
-        if not self.enabled or not self.gate.new_step(trainer.global_step):
-            return  # no optimizer step in this batch (gradient accumulation): nothing new to save
-        ranks = self._session.ranks if self._session is not None else None
-        if self.preempt.agreed(ranks):
-            self._stop_after_save = True
-            self._save_after_batch(trainer)
-        elif self.gate.due(trainer.global_step, ranks, "seconds trigger"):
-            self._save_after_batch(trainer)
+        """Report the saves done so far; the saves themselves are taken after every hook of the
+        step has run (:class:`RecoverSession`'s save point)."""
         self.telemetry.flush(trainer)
         if self._session is not None:
             self._session.log_age(pl_module)
-
-    def _save_after_batch(self, trainer: "pl.Trainer") -> None:
-        """A trigger fired at this batch's end. What Lightning runs before the next batch
-        belongs to this step: the validation due after it, and after the last batch the epoch's
-        end. A checkpoint taken before them would make the resumed run skip that validation
-        (Lightning counts it as done) and draw another RNG stream, so the save waits for them
-        (:meth:`_after_validation`, :meth:`on_train_epoch_end`)."""
-        if at_epoch_boundary(trainer):
-            self._deferred = "epoch end"
-        elif validation_follows(trainer):
-            self._deferred = "validation"
-        else:
-            self._save_now(trainer)
-
-    def _after_validation(self, trainer: "pl.Trainer") -> None:
-        """Lightning's validation after a batch returned (it may have had nothing to run)."""
-        if self._deferred == "validation" and not trainer.sanity_checking:
-            self._deferred = None
-            self._save_now(trainer)
-
-    def _save_now(self, trainer: "pl.Trainer") -> None:
-        self.save(trainer)
-        if self._stop_after_save:
-            self._stop_preempted(trainer)
 
     def _watch_signals(self, trainer: "pl.Trainer") -> None:
         """Take over the preemption signals (now: Lightning registered its handlers just before)."""
@@ -295,7 +257,6 @@ class RecoverCallback(Callback):
 
     def _stop_preempted(self, trainer: "pl.Trainer") -> None:
         """After the preemption checkpoint: wait until it is durable on every rank, stop."""
-        self._stop_after_save = False
         if self._session is not None:
             self._session.settle()
         requeued = False
@@ -317,19 +278,14 @@ class RecoverCallback(Callback):
             self.state.evaluator.validated(trainer)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.state.pending_epoch_metrics = {}
-        deferred, self._deferred = self._deferred, None
-        if self.enabled and (self.gate.at_epoch_end(trainer.current_epoch + 1, trainer.global_step)
-                             or deferred is not None):
-            self._save_now(trainer)
         self.telemetry.flush(trainer)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A run that finished keeps a checkpoint of its end, so re-running it does nothing."""
-        self._deferred = None
         self.preempt.uninstall()
-        if self.enabled and trainer.global_step > 0 and self.freq.last_fired_step != trainer.global_step:
-            self.save(trainer)
+        if self.enabled and trainer.global_step > 0 and self.freq.last_fired_step != trainer.global_step \
+                and self._session is not None:
+            self._session.save_at_train_end()
         if self._session is not None:
             self._session.settle()
         self.telemetry.flush(trainer)

@@ -34,16 +34,20 @@ from torch.utils.data import DataLoader
 
 from areal_lightning.collective import check_shared_storage
 from areal_lightning.commit.recover_store import RecoverStore, TrialLock
-from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.errors import CheckpointCorruptError, ConfigError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO, STATS_LOGGER_INFO, STEP_INFO
 from areal_lightning.lightning._internals import (
     Patch,
+    continue_after_save_point,
+    continue_train_epoch_metrics,
+    epoch_loop_ends,
     loaded_checkpoint,
     train_loaders,
     user_checkpoint_io,
+    wrap_epoch_end,
     wrap_resume_start,
+    wrap_step_end,
     wrap_train_dataloader,
-    wrap_validation_run,
 )
 from areal_lightning.lightning.bridge import install_bridge
 from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
@@ -60,6 +64,8 @@ from areal_lightning.lightning.resume import (
 )
 from areal_lightning.telemetry import SaveReport, Telemetry
 from areal_lightning.trigger import StepInfo
+from areal_lightning.trigger.schedule import Save, SaveSchedule
+from areal_lightning.write.dcp_format import weights_only_refusal
 
 __all__ = ["RecoverSession"]
 
@@ -93,21 +99,36 @@ def install_io(trainer: Any, io_mode: str) -> DCPCheckpointIO:
 
 
 class RecoverSession:
-    """One fit's recover pipeline (see the module doc); made by ``RecoverCallback.setup``."""
+    """One fit's recover pipeline (see the module doc); made by ``RecoverCallback.setup``.
 
-    def __init__(self, callback: Any, trainer: Any) -> None:
-        self.cb = callback
+    The session owns when to save: at the save point after each optimizer step (after every
+    hook of the step, and at an epoch's last step after the epoch's end too) it asks
+    ``schedule``, then calls ``save()`` (the callback's public ``save``) and, for a
+    preemption, ``stop()`` (which raises).
+    """
+
+    def __init__(self, trainer: Any, *, store: RecoverStore, state: RecoverState, telemetry: Telemetry,
+                 experiment: Any, schedule: SaveSchedule, io_mode: str, weights_only: bool,
+                 collective_timeout: float, save: Callable[[], None], stop: Callable[[], None]) -> None:
         self.trainer = trainer
-        self.store: RecoverStore = callback.store
-        self.state: RecoverState = callback.state
-        self.telemetry: Telemetry = callback.telemetry
-        self.io: DCPCheckpointIO = install_io(trainer, callback.io_mode)
+        self.store = store
+        self.state = state
+        self.telemetry = telemetry
+        self.experiment = experiment
+        self.schedule = schedule
+        self.weights_only = weights_only
+        self.collective_timeout = collective_timeout
+        self._save_requested = save
+        self._stop = stop
+        self.io: DCPCheckpointIO = install_io(trainer, io_mode)
         self.plan: ResumePlan | None = None
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
         self._resuming = False
         self._held: dict[str, float] = {}
         self._lock: TrialLock | None = None
         self._patch = Patch()
+        self._point: str | None = None  # the save point of the save in progress
+        self._checked_loadable = False
         self._waiter = False
         self._warning_filter: tuple | None = None
 
@@ -124,7 +145,7 @@ class RecoverSession:
         install_bridge(trainer.strategy, self.io)  # every rank writes its shard; loads reshard
         self.io.add_staging_waiter()  # on_before_optimizer_step waits for the host copy (wait_for_staging)
         self._waiter = True
-        self.ranks.configure(self.cb.collective_timeout)
+        self.ranks.configure(self.collective_timeout)
         error: BaseException | None = None
         try:
             if trainer.is_global_zero:
@@ -136,7 +157,9 @@ class RecoverSession:
         check_shared_storage(self.ranks, self.store.layout.trial_dir, trainer.is_global_zero)
         wrap_resume_start(trainer, self._patch, self._resume_start)
         wrap_train_dataloader(trainer, self._patch, self._train_dataloader)
-        wrap_validation_run(trainer, self._patch, self._validation_run)
+        wrap_step_end(trainer, self._patch, self._step_end)
+        wrap_epoch_end(trainer, self._patch, self._epoch_end)
+        continue_after_save_point(trainer, self._patch, self._resumed_at_epoch_end)
 
     def close(self) -> None:
         """Undo the wiring, release the lock (idempotent)."""
@@ -162,7 +185,7 @@ class RecoverSession:
             if checkpoint_path is not None:
                 log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
                 return original(checkpoint_path, weights_only)
-            plan = self.plan = agreed_plan(self.store, self.cb.experiment, trainer, self.ranks)
+            plan = self.plan = agreed_plan(self.store, self.experiment, trainer, self.ranks)
             if plan is None:
                 return original(None, weights_only)
             ckpt = plan.info[CHECKPOINT_INFO]
@@ -172,14 +195,14 @@ class RecoverSession:
             # The non-tensor state is unpickled with weights_only=True unless the user opted out
             # (hyper-parameters holding arbitrary objects; see the README's security note).
             try:
-                original(str(plan.path), self.cb.weights_only)
+                original(str(plan.path), self.weights_only)
             except CheckpointCorruptError as exc:
-                raise CheckpointCorruptError(f"{exc} (or delete {self.store.info_dir} to start fresh)") from exc
+                raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
             loaded = loaded_checkpoint(trainer).get("global_step")
             if loaded != ckpt["global_step"]:
                 raise CheckpointCorruptError(
                     f"{plan.path} holds global step {loaded}, but {self.store.info_dir} describes "
-                    f"global step {ckpt['global_step']}; delete {self.store.info_dir} to start fresh")
+                    f"global step {ckpt['global_step']}; {start_fresh(self.store.info_dir)}")
             step = plan.info[STEP_INFO]
             read = self.io.engine.last_read
             log.info("RecoverCallback: resuming from %s after global step %d (epoch %d, step %d in epoch); "
@@ -189,13 +212,52 @@ class RecoverSession:
 
         return resume_start
 
-    def _validation_run(self, original: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            result = original()
-            self.cb._after_validation(self.trainer)  # a save due at the batch before it goes here
-            return result
+    # -- the save point ------------------------------------------------------------------
 
-        return run
+    def _step_end(self, original: Callable[[Any], None]) -> Callable[[Any], None]:
+        trainer = self.trainer
+
+        def on_advance_end(data_fetcher: Any) -> None:
+            if self.state.pending_epoch_metrics:  # the first batch after a mid-epoch resume
+                continue_train_epoch_metrics(trainer, self.state.pending_epoch_metrics)
+            original(data_fetcher)
+            if not epoch_loop_ends(trainer):  # else the epoch's end belongs to this step
+                self._act(self.schedule.after_step(trainer.global_step, self.ranks), "step_end")
+
+        return on_advance_end
+
+    def _epoch_end(self, original: Callable[[], None]) -> Callable[[], None]:
+        trainer = self.trainer
+
+        def on_advance_end() -> None:
+            original()
+            self.state.pending_epoch_metrics = {}
+            epochs_done = self.state.position.epoch + 1
+            self._act(self.schedule.after_epoch(trainer.global_step, epochs_done, self.ranks), "epoch_end")
+
+        return on_advance_end
+
+    def _act(self, decision: Save, point: str) -> None:
+        if decision is Save.NONE:
+            return
+        self._point = point
+        try:
+            self._save_requested()
+        finally:
+            self._point = None
+        if decision is Save.PREEMPT:
+            self._stop()
+
+    def save_at_train_end(self) -> None:
+        """At ``on_train_end``: the fit loop has finished after its last epoch's end (the
+        checkpoint is one of the epoch-end save point; a rerun continues with the next epoch
+        if ``max_epochs`` grew)."""
+        self._act(Save.TRIGGER, "epoch_end")
+
+    def _resumed_at_epoch_end(self) -> bool | None:
+        """Where the checkpoint this fit resumed from was taken (``None``: not at a save point)."""
+        point, self.state.resume_point = self.state.resume_point, None
+        return None if point is None else point == "epoch_end"
 
     def _train_dataloader(self, original: Callable[[], Any]) -> Callable[[], Any]:
         def dataloader() -> Any:
@@ -208,7 +270,7 @@ class RecoverSession:
     def train_started(self, pl_module: Any) -> StepInfo | None:
         """At ``on_train_start`` of a resumed run: restore the RNG, log, return where it resumed."""
         trainer = self.trainer
-        if not self.state.restore_rng():
+        if not self.state.restore_rng(trainer):
             return None
         loaders = train_loaders(trainer)
         if loaders and all(isinstance(dl, DataLoader) for dl in loaders):
@@ -232,14 +294,16 @@ class RecoverSession:
     # -- save ----------------------------------------------------------------------------
 
     def save(self) -> None:
-        """Write a recover checkpoint of the current state (collective: every rank calls it)."""
+        """Write a recover checkpoint of the current state (collective: every rank calls it).
+        At the save point an async save's host copy is finished before training goes on (the
+        next step's hooks and forward, e.g. BatchNorm statistics, change the live tensors)."""
         trainer = self.trainer
         steps = trainer.global_step
         self.state.freq.mark_fired(steps)
         start = time.perf_counter()
         boundary = at_epoch_boundary(trainer)
         info = describe(trainer, self.state, boundary=boundary, io_mode=self.io.resolved_mode,
-                        experiment=self.cb.experiment, user=self.store.layout.user)
+                        experiment=self.experiment, user=self.store.layout.user)
         engine = self.io.engine
         gen: str | None = None
         error: BaseException | None = None
@@ -275,8 +339,13 @@ class RecoverSession:
                 report()
 
         target = self.store.target(gen, info, on_committed=committed)
-        with self.state.saving(trainer, boundary, self.ranks):
+        if self.weights_only and not self._checked_loadable:
+            target.check = self._check_loadable
+        point = self._point
+        with self.state.saving(trainer, boundary, self.ranks, point):
             trainer.save_checkpoint(self.store.ckpt_dir, weights_only=False, storage_options=target)
+        if point is not None and engine.in_flight is not None:
+            self.wait_for_staging()
         with lock:
             held["call"] = time.perf_counter() - start  # a sync save: its whole duration
             report()
@@ -284,6 +353,20 @@ class RecoverSession:
         if written is not None and not trainer.is_global_zero and self.io.resolved_mode == "sync":
             log.debug("recover checkpoint of global step %d: rank %d wrote %.1f MB, %.3fs of it hashing",
                       steps, trainer.global_rank, written.nbytes / 1e6, written.hash_s)
+
+    def _check_loadable(self, checkpoint: dict[str, Any]) -> None:
+        """At the first save: the resume will unpickle the non-tensor state with
+        ``weights_only=True``; refuse now what it would refuse then."""
+        refusal = weights_only_refusal(checkpoint)
+        self._checked_loadable = True
+        if refusal is None:
+            return
+        raise ConfigError("weights_only", (
+            f"the recover checkpoint holds a {refusal.type_name} at {refusal.path}, which the resume would refuse "
+            f"to load with weights_only=True ({refusal.reason}); nothing was written. Either store plain data there "
+            "(lists, dicts, numbers, strings, tensors: e.g. list(d) of a deque d) or, where torch can rebuild the "
+            f"type, allowlist it before training with torch.serialization.add_safe_globals([{refusal.type_name}]); "
+            "or pass RecoverCallback(weights_only=False) if you trust the checkpoint storage"))
 
     def wait_for_staging(self) -> None:
         """Before an optimizer step: wait until an async save no longer reads the weights."""

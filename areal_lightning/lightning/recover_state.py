@@ -43,7 +43,11 @@ from areal_lightning.lightning._internals import (
 from areal_lightning.lightning.resume import strategy_family
 from areal_lightning.trigger import EpochPosition, FreqController, StepInfo
 
-__all__ = ["RecoverState", "EvaluatorPosition", "evaluator_info", "describe", "batches_done", "at_epoch_boundary", "step_info"]
+SAVE_POINTS = ("step_end", "epoch_end")
+"""Where the callback's saves are taken: after everything Lightning runs for a step that is not
+its epoch's last (``step_end``), or after the epoch's end as well (``epoch_end``)."""
+
+__all__ = ["SAVE_POINTS", "RecoverState", "EvaluatorPosition", "evaluator_info", "describe", "batches_done", "at_epoch_boundary", "step_info"]
 
 
 def batches_done(trainer: Any) -> int:
@@ -74,7 +78,9 @@ class RecoverState:
         self.position = EpochPosition()
         self.tracker = LoaderTracker(unwrap_sampler=wrapped_sampler, fast_forward=fast_forward)
         self.evaluator = EvaluatorPosition()
-        self._saving: tuple[Any, bool, CheckpointGroup] | None = None  # (trainer, at boundary, ranks) of our save
+        self._saving: tuple[Any, bool, CheckpointGroup, str | None] | None = None  # trainer, at boundary, ranks, point
+        self.resume_point: str | None = None  # the save point of the checkpoint loaded (SAVE_POINTS)
+        self._pending_stop = False
         self._pending_rng: dict[str, Any] | None = None
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
         self._boundary_rng_applied = False
@@ -83,11 +89,12 @@ class RecoverState:
     # -- saving ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def saving(self, trainer: Any, boundary: bool, ranks: CheckpointGroup) -> Iterator[None]:
+    def saving(self, trainer: Any, boundary: bool, ranks: CheckpointGroup, point: str | None = None) -> Iterator[None]:
         """Within: Lightning's ``dump_checkpoint`` is one of the callback's own saves, so
         :meth:`state_dict` adds RNG and loader positions (a collective in multi-rank runs:
-        every rank is in the save)."""
-        self._saving = (trainer, boundary, ranks)
+        every rank is in the save). ``point``: one of :data:`SAVE_POINTS` when the save is
+        taken at the save point after a step (``None``: from inside a hook)."""
+        self._saving = (trainer, boundary, ranks, point)
         try:
             yield
         finally:
@@ -99,7 +106,10 @@ class RecoverState:
                                  "evaluator": self.evaluator.state_dict()}
         if self._saving is None:
             return state
-        trainer, boundary, ranks = self._saving
+        trainer, boundary, ranks, point = self._saving
+        if point is not None:
+            state["save_point"] = point
+            state["should_stop"] = bool(trainer.should_stop)
         state["rng"] = capture_rng()
         state["data"] = self.tracker.state_dict(batches_done(trainer), boundary, prefetched_batches(trainer))
         # Mid-epoch: the epoch aggregates of values logged with on_epoch=True so far.
@@ -167,6 +177,8 @@ class RecoverState:
         self.freq.load_state_dict(state.get("freq", {}))
         self.position.load_state_dict(state)
         self.evaluator.load_state_dict(state.get("evaluator", {}))
+        self.resume_point = state.get("save_point")
+        self._pending_stop = bool(state.get("should_stop", False))
         state = self.own_rank_state(state, rank)
         if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
             data, self._remapped = self._remapped or state["data"], None
@@ -175,12 +187,15 @@ class RecoverState:
             self._boundary_rng_applied = bool(data["at_boundary"])
             self.tracker.load_state_dict(data, checkpoint_rng=state["rng"]["torch"])
 
-    def restore_rng(self) -> bool:
+    def restore_rng(self, trainer: Any) -> bool:
         """At ``on_train_start``: set the RNG states saved with the checkpoint; ``False`` when
         this start is not a resume from one of our checkpoints."""
         rng, self._pending_rng = self._pending_rng, None
         if rng is None:
             return False
+        if self._pending_stop:  # the run had been asked to stop (EarlyStopping) when it was saved
+            trainer.should_stop = True
+            self._pending_stop = False
         if self._boundary_rng_applied and self.tracker.replayed:
             # The next epoch's iterator was created from the saved torch RNG state already.
             rng = {**rng, "torch": torch.get_rng_state()}
@@ -276,12 +291,12 @@ def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str 
         STATS_LOGGER_INFO: {"loggers": [
             {"class": type(lg).__name__, "name": lg.name, "version": lg.version,
              "save_dir": str(lg.save_dir) if lg.save_dir else None} for lg in trainer.loggers]},
-        DATALOADER_INFO: {"epoch": trainer.current_epoch, "batches_done": batches_done(trainer),
+        DATALOADER_INFO: {"epoch": state.position.epoch, "batches_done": batches_done(trainer),
                           "at_epoch_boundary": boundary, "loaders": loaders},
         CHECKPOINT_INFO: {
             "format_version": FORMAT_VERSION,
             "global_step": trainer.global_step,
-            "epoch": trainer.current_epoch,
+            "epoch": state.position.epoch,  # of the last step (at an epoch end Lightning counts the next)
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
             "family": strategy_family(trainer.strategy),

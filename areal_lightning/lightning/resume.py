@@ -22,7 +22,7 @@ from typing import Any
 from areal_lightning.collective import CheckpointGroup
 from areal_lightning.commit.recover_store import RecoverStore
 from areal_lightning.config import ExperimentConfig
-from areal_lightning.errors import RecoverMismatchError
+from areal_lightning.errors import RecoverMismatchError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO
 from areal_lightning.lightning._internals import can_redirect_logger, redirect_logger
 from areal_lightning.lightning.bridge import SHARDED_STRATEGY_NAMES, is_sharded
@@ -69,7 +69,7 @@ def plan_resume(store: RecoverStore, experiment: ExperimentConfig, trainer: Any)
         if ckpt[key] != value:
             raise RecoverMismatchError(
                 f"{path} was written by {key}={ckpt[key]!r}, this run is {key}={value!r}: the trial folder "
-                "was copied or renamed. Use the original names, or delete recover_info/ to start fresh.")
+                f"was copied or renamed. Use the original names, or {start_fresh()}.")
     strategy = type(trainer.strategy).__name__
     saved_family = ckpt.get("family") or _family_of_name(ckpt["strategy"])
     family = strategy_family(trainer.strategy)
@@ -78,7 +78,7 @@ def plan_resume(store: RecoverStore, experiment: ExperimentConfig, trainer: Any)
             f"{path}: the recover checkpoint was written with strategy={ckpt['strategy']!r} "
             f"({saved_family} parameters) but this run has strategy={strategy!r} "
             f"({family} parameters); their optimizer states are keyed differently. Resume with a "
-            f"{saved_family} strategy, or delete recover_info/ to start fresh.")
+            f"{saved_family} strategy, or {start_fresh()}.")
     if ckpt["world_size"] != trainer.world_size:
         log.warning("RecoverCallback: resharding the recover checkpoint written by %d rank(s) (%s) onto %d rank(s) "
                     "(%s): DCP reshards model and optimizer; the dataloader position is mapped by samples consumed",

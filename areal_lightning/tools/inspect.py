@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from areal_lightning.errors import AreaLightningError
+from areal_lightning.errors import AreaLightningError, start_fresh
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     COMMIT_MARKER,
@@ -275,7 +275,7 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
             errors.append(f"recover_info: {exc}")
         if not ckpt_names:
             msg = (f"{info_dir} describes a recover checkpoint but no model folder of {layout.trial_dir} has a "
-                   f"{RECOVER_CHECKPOINT}/; resuming will fail. Restore it, or delete {info_dir} to start fresh.")
+                   f"{RECOVER_CHECKPOINT}/; resuming will fail. Restore it, or {start_fresh(info_dir)}.")
             info_report["problems"].append(msg)
             errors.append(msg)
     elif ckpt_names:
@@ -298,7 +298,7 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
             if ckpt_info.get(key) != want:
                 msg = (f"{info_dir / CHECKPOINT_INFO} was written by {key}={ckpt_info.get(key)!r} but the "
                        f"folder is {key}={want!r} (copied or renamed?): resuming will refuse it. Use the original "
-                       f"names, or delete {info_dir} to start fresh.")
+                       f"names, or {start_fresh(info_dir)}.")
                 info_report["problems"].append(msg)
                 errors.append(msg)
     for name in ckpt_names:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "SlotUnpickler", "slot_globals", "split", "fill", "flat_tensors"]
+__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "SlotUnpickler", "slot_globals", "split", "fill", "flat_tensors",
+           "Refusal", "weights_only_refusal"]
 
 SKELETON_KEY = "__areal_lightning_skeleton__"
 """The flat-dict key of the pickled skeleton (part of the on-disk format)."""
@@ -112,3 +113,76 @@ def flat_tensors(template: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return flat
 
 
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An object of a checkpoint that ``torch.load(weights_only=True)`` would refuse."""
+
+    path: str  # where it sits, e.g. ``checkpoint['replay_buffer']``
+    type_name: str  # its type, e.g. ``collections.deque``
+    reason: str  # torch's message
+
+
+def _reason(exc: BaseException) -> str:
+    """The part of torch's weights-only message that says what was refused."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+    text = " ".join(text.split())
+    return text[:300] or repr(exc)
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def weights_only_refusal(state: Mapping[str, Any]) -> Refusal | None:
+    """Whether the non-tensor part of ``state`` (what :func:`split` pickles into the skeleton)
+    would load under ``torch.load(weights_only=True)`` (with the types the user allowlisted);
+    the first refused object otherwise. One pickle round trip of the skeleton: tensors are
+    slots, so the cost does not grow with the model."""
+    import io
+
+    skeleton = split(state)[SKELETON_KEY]
+    buffer = io.BytesIO()
+    torch.save(skeleton, buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals(slot_globals()):
+            torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = _reason(exc)
+        return _first_refused(skeleton, ("checkpoint",), reason) or Refusal("checkpoint", "?", reason)
+    return None
+
+
+def _first_refused(obj: Any, path: tuple[str, ...], reason: str) -> Refusal | None:
+    """The first object under ``obj`` that does not load alone under ``weights_only=True``
+    (containers are searched before being blamed)."""
+    import io
+
+    if isinstance(obj, (TensorSlot, *_ATOMIC)):
+        return None
+    children: list[tuple[str, Any]] = []
+    if isinstance(obj, dict):
+        children = [(f"[{k!r}]", v) for k, v in obj.items()]
+        children += [(f" key {k!r}", k) for k in obj if not isinstance(k, _ATOMIC)]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    for suffix, child in children:
+        found = _first_refused(child, (*path, suffix), reason)
+        if found is not None:
+            return found
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals(slot_globals()):
+            torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        return Refusal("".join(path), _type_name(obj), _reason(exc))
+    return None

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -71,13 +73,19 @@ class Job:
     freq_steps: int | None = 4
     freq_epochs: int | None = None
     fast_forward: str = "sampler"  # RecoverCallback(fast_forward=...): it never changes the training
+    strategy: str = "ddp"  # with devices > 1: ddp | fsdp1 (FSDP1 on CPU)
+    hooks: bool = False  # state changed in every hook of a step (see HookState, Counter, CountingStopper)
+    bn: bool = False  # BatchNorm, and the GAN pattern: a forward in train mode at the module's epoch end
+    io_mode: str = "sync"  # RecoverCallback(io_mode=...)
+    freq_secs: int | None = None  # seconds trigger on a clock that advances 1 s per optimizer step
 
     def trainer_kwargs(self) -> dict[str, Any]:
         return dict(self.trainer)
 
     def training_key(self) -> Job:
         """The job without the recover triggers: runs with equal keys train identically."""
-        return dataclasses.replace(self, freq_steps=None, freq_epochs=None, fast_forward="sampler")
+        return dataclasses.replace(self, freq_steps=None, freq_epochs=None, fast_forward="sampler", io_mode="sync",
+                                   freq_secs=None)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -185,13 +193,18 @@ class Crash(Exception):
 
 class CrashAt(Callback):
     """At the end of the batch where ``global_step == step``: raise, or touch a file and sleep
-    (for a SIGKILL from outside). Placed before RecoverCallback, so that step is not saved."""
+    (for a SIGKILL from outside), or ``preempt``: send this process SIGTERM (the step is then
+    saved as a preemption checkpoint and the run stops with ``Preempted``)."""
 
     def __init__(self, step: int, mode: str = "raise", pause_file: str | None = None) -> None:
         self.step, self.mode, self.pause_file = step, mode, pause_file
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != self.step:
+        if trainer.global_step != self.step or getattr(self, "_sent", False):
+            return
+        if self.mode == "preempt":
+            self._sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
             return
         if self.mode == "raise":
             raise Crash(f"crash at step {self.step}")
@@ -299,8 +312,59 @@ class DataModule(pl.LightningDataModule):
 # -- model -------------------------------------------------------------------------------------
 
 
-def mlp() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+def mlp(bn: bool = False) -> torch.nn.Module:
+    norm = [torch.nn.BatchNorm1d(16)] if bn else []
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), *norm, torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+
+
+class Counter(Callback):
+    """A user callback with state that every hook of a step changes; its batch end also draws
+    from the global torch RNG (so the RNG state saved must be the one after it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.counts = {"batch_end": 0, "epoch_end": 0, "val_end": 0}
+        self.draws = 0.0
+
+    @property
+    def state_key(self) -> str:
+        return f"Counter[{self.name}]"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.counts["batch_end"] += 1
+        self.draws += torch.rand(1).item()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.counts["epoch_end"] += 1
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.counts["val_end"] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "draws": self.draws}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.counts, self.draws = dict(state_dict["counts"]), state_dict["draws"]
+
+
+class CountingStopper(EarlyStopping):
+    """A monitoring callback (Lightning runs its ``on_train_epoch_end`` after the module's)."""
+
+    def __init__(self) -> None:
+        super().__init__(monitor="train_loss_avg", patience=1000, check_on_train_epoch_end=True)
+        self.epoch_end_calls = 0
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.epoch_end_calls += 1
+        super().on_train_epoch_end(trainer, pl_module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch_end_calls": self.epoch_end_calls}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.epoch_end_calls = state_dict["epoch_end_calls"]
 
 
 def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -312,7 +376,13 @@ class Net(pl.LightningModule):
         super().__init__()
         self.trace = trace
         self.job = job
-        self.net = mlp()
+        self.net = mlp(job.bn)
+        if job.hooks:
+            self.register_buffer("loss_ema", torch.zeros(()))  # updated in on_train_batch_end
+            self.counts = {"batch_end": 0, "epoch_end": 0, "val_end": 0}
+            if job.strategy != "fsdp1":
+                self.ema = mlp(job.bn).requires_grad_(False)  # an EMA of the weights, as users keep one
+                self.ema.load_state_dict(self.net.state_dict())
         if job.manual:
             self.critic = mlp()
             self.automatic_optimization = False
@@ -350,6 +420,41 @@ class Net(pl.LightningModule):
         self.log("train_loss_avg", loss, on_step=False, on_epoch=True)  # epoch-aggregated
         return None if self.job.manual else loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if not self.job.hooks:
+            return
+        self.counts["batch_end"] += 1
+        loss = outputs["loss"] if isinstance(outputs, dict) else torch.zeros(())
+        mean = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        self.loss_ema.mul_(0.9).add_(0.1 * mean)
+        if hasattr(self, "ema"):
+            with torch.no_grad():
+                for e, p in zip(self.ema.parameters(), self.net.parameters()):
+                    e.mul_(0.9).add_(p.detach(), alpha=0.1)
+        self.log("loss_ema", self.loss_ema, on_step=True)
+
+    def on_train_epoch_end(self) -> None:
+        if not self.job.hooks and not self.job.bn:
+            return
+        if self.job.hooks:
+            self.counts["epoch_end"] += 1
+            self.log("epoch_ends", float(self.counts["epoch_end"]))
+        if self.job.bn:  # the GAN example's pattern: the generator runs in train mode at epoch end
+            with torch.no_grad():
+                self.net(torch.randn(8, FEATURES, device=self.device))
+
+    def on_validation_end(self) -> None:
+        if self.job.hooks and not self.trainer.sanity_checking:
+            self.counts["val_end"] += 1
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.job.hooks:
+            checkpoint["counts"] = dict(self.counts)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.job.hooks:
+            self.counts = dict(checkpoint["counts"])
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), on_epoch=True)
@@ -368,8 +473,8 @@ class Net(pl.LightningModule):
 
 def recover_callback(job: Job, root: Path, trace: Trace) -> RecoverCallback:
     rc = RecoverCallback(fileroot=root / "recover", experiment_name="matrix", trial_name="t", user="u",
-                         freq_steps=job.freq_steps, freq_epochs=job.freq_epochs, io_mode="sync",
-                         fast_forward=job.fast_forward)
+                         freq_steps=job.freq_steps, freq_epochs=job.freq_epochs, freq_secs=job.freq_secs,
+                         io_mode=job.io_mode, fast_forward=job.fast_forward)
     save = rc.save
 
     def spied_save(trainer: pl.Trainer) -> None:  # notes in the trace where each save happened
@@ -384,12 +489,34 @@ def _hex(v: Any) -> str | None:
     return None if v is None else float(v).hex()
 
 
-def result(trainer: pl.Trainer, rc: RecoverCallback, mc: ModelCheckpoint | None, es: EarlyStopping | None) -> dict:
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def weights(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, str]:
+    """A digest of every parameter and buffer of the trained model (full tensors)."""
+    if "FSDP" in type(trainer.strategy).__name__:  # full tensors on every rank (a collective)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = module.state_dict()
+    return {k: _digest(v) for k, v in sorted(state.items())}
+
+
+def result(trainer: pl.Trainer, rc: RecoverCallback, mc: ModelCheckpoint | None, es: EarlyStopping | None,
+           module: pl.LightningModule | None = None) -> dict:
     """What a finished run ends with (besides its trace)."""
     out: dict[str, Any] = {
         "resumed_from": dataclasses.asdict(rc.resumed_from) if rc.resumed_from is not None else None,
         "global_step": trainer.global_step, "current_epoch": trainer.current_epoch,
     }
+    if module is not None:
+        out["weights"] = weights(trainer, module)
+        out["hook_state"] = {"module": getattr(module, "counts", None),
+                             "callbacks": {cb.state_key: json.loads(json.dumps(cb.state_dict(), default=_value))
+                                           for cb in trainer.callbacks
+                                           if isinstance(cb, (Counter, CountingStopper))}}
     if mc is not None:
         out["model_checkpoint"] = {
             "best_model_score": _hex(mc.best_model_score),
@@ -417,20 +544,34 @@ def fit(job: Job, root: Path, trace: Trace, crash_at: int | None = None, crash_m
         callbacks += [mc, es]
     if crash_at is not None:
         callbacks.append(CrashAt(crash_at, crash_mode, pause_file))
+    if job.hooks:
+        callbacks += [Counter("before"), CountingStopper()]
     rc = recover_callback(job, root, trace)
     callbacks.append(rc)
+    if job.hooks:
+        callbacks.append(Counter("after"))
     opts: dict[str, Any] = dict(num_sanity_val_steps=0)
     opts.update(job.trainer_kwargs())
     if job.devices > 1:
-        opts.update(devices=job.devices, strategy="ddp")
+        opts.update(devices=job.devices, strategy=strategy(job.strategy))
     trainer = pl.Trainer(max_epochs=epochs or job.epochs, accelerator="cpu", logger=RecordingLogger(trace),
                          enable_checkpointing=job.mc_es, enable_progress_bar=False, enable_model_summary=False,
                          log_every_n_steps=1, callbacks=callbacks, **opts)
+    if job.freq_secs is not None:  # a deterministic clock: one second per optimizer step
+        rc.freq._clock = lambda: float(trainer.global_step)
     if job.loaders == "datamodule":
         trainer.fit(module, datamodule=DataModule(job))
     else:
         trainer.fit(module, train_loaders(job), val_loader())
-    return result(trainer, rc, mc, es)
+    return result(trainer, rc, mc, es, module)
+
+
+def strategy(name: str) -> Any:
+    if name == "fsdp1":
+        from tests.fsdp1_cpu import CPUFSDPStrategy
+
+        return CPUFSDPStrategy()
+    return name
 
 
 def main() -> None:
@@ -439,7 +580,7 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--trace", required=True)
     p.add_argument("--crash-at", type=int, default=None)
-    p.add_argument("--crash-mode", default="pause", choices=["raise", "pause"])
+    p.add_argument("--crash-mode", default="pause", choices=["raise", "pause", "preempt"])
     p.add_argument("--epochs", type=int, default=None)
     args = p.parse_args()
     trace = Trace(args.trace)
