@@ -65,6 +65,18 @@ DIST_CASES = {
         ("--strategy", "fsdp2", "--loader", "stateful", "--workers", "1", "--freq-steps", "6", "--epochs", "2"), 8),
     "ddp-async-stateful-loader-mid-epoch": (
         ("--strategy", "ddp", "--io-mode", "async", "--loader", "stateful", "--freq-steps", "2", "--epochs", "2"), 5),
+    # 4 ranks: 3 steps per epoch and rank. With 2 ranks every all-reduce is a + b, whatever its
+    # order; with 4 the resumed process must reduce in the uninterrupted one's order (DDP's
+    # gradient buckets as rebuilt after its first iteration).
+    # Compared also: the full model and optimizer state after every step (a gradient that differs
+    # in its last bit is often absorbed by the weight's rounding, never by Adam's moments).
+    **{f"{strategy}-4-ranks-{where}": (("--devices", "4", "--strategy", strategy, "--freq-steps", freq, "--epochs", "3",
+                                        "--dump-every", "1"), kill)
+       for strategy in ("ddp", "fsdp2") for where, freq, kill in (("mid-epoch", "4", 6), ("epoch-end", "6", 8))},
+    # the checkpoint of the first step: DDP has not rebuilt its buckets yet (it would at the next
+    # forward); the save rebuilds them then, so that the resumed first step uses them too
+    "ddp-4-ranks-first-step": (("--devices", "4", "--strategy", "ddp", "--freq-steps", "1", "--epochs", "2",
+                                "--dump-every", "1"), 2),
 }
 
 
@@ -72,10 +84,12 @@ _REFERENCES: dict[tuple[str, ...], tuple[Path, subprocess.CompletedProcess]] = {
 
 
 def dist_reference(tmp_path_factory, args: tuple[str, ...]) -> tuple[Path, subprocess.CompletedProcess]:
-    """The uninterrupted 2-rank run of ``args`` (run once per session)."""
+    """The uninterrupted multi-rank run of ``args`` (run once per session); with
+    ``--dump-state`` its full model and optimizer state after every step (``ref/state.stepN.pt``)."""
     if args not in _REFERENCES:
         ref = tmp_path_factory.mktemp("dist_reference")
-        proc = train(ref, ref / "losses.jsonl", *args)
+        dump = ("--dump-state", str(ref / "state")) if "--dump-every" in args else ()
+        proc = train(ref, ref / "losses.jsonl", *args, *dump)
         assert proc.returncode == 0, proc.stderr[-3000:]
         _REFERENCES[args] = (ref, proc)
     return _REFERENCES[args]
@@ -84,25 +98,35 @@ def dist_reference(tmp_path_factory, args: tuple[str, ...]) -> tuple[Path, subpr
 @pytest.mark.parametrize("case", list(DIST_CASES))
 def test_sigkill_of_all_ranks_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factory, case) -> None:
     extra, kill_at = DIST_CASES[case]
-    args = ("--devices", "2", "--rank-seed", "--logger", "none", *extra)
+    devices = int(extra[extra.index("--devices") + 1]) if "--devices" in extra else 2
+    args = ("--devices", "2", "--rank-seed", "--logger", "none", *extra)  # a later --devices wins
     ref, ref_proc = dist_reference(tmp_path_factory, args)
     if "--freq-secs" in extra:  # 12 steps, every 4 steps -> 3 step-triggered saves; more were seconds-triggered
         assert ref_proc.stderr.count("recover checkpoint /") > 3, ref_proc.stderr[-3000:]
     losses = tmp_path / "losses.jsonl"
-    killed = train(tmp_path, losses, *args, "--kill-at-step", str(kill_at))
+    dump = ("--dump-state", str(tmp_path / "state")) if "--dump-every" in extra else ()
+    killed = train(tmp_path, losses, *args, *dump, "--kill-at-step", str(kill_at))
     assert killed.returncode == -9
-    assert_every_rank_wrote_its_shard(tmp_path, sharded="fsdp2" in extra)
-    resumed = train(tmp_path, losses, *args)
+    if devices == 2:
+        assert_every_rank_wrote_its_shard(tmp_path, sharded="fsdp2" in extra)
+    resumed = train(tmp_path, losses, *args, *dump)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stderr.count("RecoverCallback: resumed from") == 2  # one line per rank
-    for rank in (0, 1):
+    assert resumed.stderr.count("RecoverCallback: resumed from") == devices  # one line per rank
+    for rank in range(devices):
         assert_exact(rank_losses(losses, rank), rank_losses(ref / "losses.jsonl", rank))
+    if "--dump-every" in extra:
+        steps = sorted(int(p.name.split("step")[1][:-3]) for p in tmp_path.glob("state.step*.pt"))
+        assert steps and steps[-1] == max(rank_losses(ref / "losses.jsonl", 0))  # the last step
+        for step in steps:
+            _equal(torch.load(ref / f"state.step{step}.pt"), torch.load(tmp_path / f"state.step{step}.pt"),
+                   f"after step {step}")
     assert rank_losses(ref / "losses.jsonl", 0)[1] != rank_losses(ref / "losses.jsonl", 1)[1]
 
 
 def _equal(a, b, path="") -> None:
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), f"{path}: {int((a != b).sum())} of {a.numel()} values differ"
     elif isinstance(a, dict):
         assert set(a) == set(b), (path, set(a) ^ set(b))
         for key in a:

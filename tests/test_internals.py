@@ -481,3 +481,55 @@ def test_continue_train_epoch_metrics(tmp_path: Path) -> None:
     assert fold.pending == {}  # every saved key was folded in
     assert int(fold.after["training_step.m"]["cumulated_batch_size"]) == 4 + 2  # saved after 2 batches, + 1
     assert float(fold.after["training_step.top"]["value"]) >= top
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group (DDP needs one), destroyed afterwards."""
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _ddp_strategy():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(parallel_devices=[torch.device("cpu")], bucket_cap_mb=0.02)  # ~one 64x64 Linear per bucket
+
+
+def _three_layers() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+
+def test_ddp_bucket_layout(one_rank_group) -> None:
+    ddp = _ddp_strategy()._setup_model(_three_layers())
+    assert internals.ddp_bucket_layout(Tiny()) is None  # not a DDP
+    ddp(torch.randn(2, 64)).sum().backward()
+    assert not ddp._has_rebuilt_buckets  # DDP rebuilds at the next forward; the accessor does it now
+    layout = internals.ddp_bucket_layout(ddp)
+    assert ddp._has_rebuilt_buckets and sorted(sum(layout, [])) == list(range(6))
+    for _ in range(2):  # training on: DDP reports the same layout (last layer's gradients first)
+        ddp(torch.randn(2, 64)).sum().backward()
+    text = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+    assert layout == [[int(i) for i in b.split()] for b in text.split(",")] and layout[0][0] == 5
+
+
+def test_wrap_ddp_setup_model(one_rank_group) -> None:
+    strategy, patch = _ddp_strategy(), internals.Patch()
+    assert internals.wrap_ddp_setup_model(Tiny(), patch, lambda: None) is False  # not a DDPStrategy
+    layout: list = [[0, 1], [2, 3], [4, 5]]
+    assert internals.wrap_ddp_setup_model(strategy, patch, lambda: layout) is True
+    default = _ddp_strategy()._setup_model(_three_layers())
+    given = strategy._setup_model(_three_layers())
+    for ddp in (default, given):
+        ddp(torch.randn(2, 64)).sum().backward()
+    assert default._get_ddp_logging_data()["bucket_sizes"] == "49920"  # DDP's first iteration: one bucket
+    assert given._get_ddp_logging_data()["bucket_sizes"] == "16640, 16640, 16640"
+    layout[:] = [[0, 1, 2]]  # not this model's parameters: DDP's own layout
+    assert strategy._setup_model(_three_layers())._get_ddp_logging_data()["bucket_sizes"] == "49920"
+    patch.undo()
+    assert "_setup_model" not in strategy.__dict__

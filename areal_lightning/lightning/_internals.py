@@ -29,6 +29,13 @@ Why each is needed (public Lightning has no equivalent):
   (``fit_loop.reset``, ``epoch_loop.reset``, ``_restarting``).
 * epoch-aggregated training metrics (``self.log(..., on_epoch=True)``) across a mid-epoch
   resume: Lightning accumulates them in ``fit_loop.epoch_loop._results`` and saves them nowhere.
+* DDP's gradient reduction order on a resume: DDP reduces its first iteration with buckets in
+  parameter-definition order and rebuilds them by gradient-ready order for the next ones; an
+  all-reduce of 3+ ranks sums an element in an order that depends on its offset in the bucket,
+  so a fresh DDP would reduce the first resumed step differently. The layout is read from DDP
+  (``_has_rebuilt_buckets``, ``reducer._rebuild_buckets``, ``_get_ddp_logging_data``) and given
+  to the resumed DDP when Lightning builds it (``DDPStrategy._setup_model``, through
+  ``torch.distributed._compute_bucket_assignment_by_size``).
 * preemption under ``SLURMEnvironment(auto_requeue=True)``: the cluster environment of any
   strategy (``trainer._accelerator_connector.cluster_environment``; single-device strategies
   have no public ``cluster_environment``).
@@ -59,6 +66,8 @@ __all__ = [
     "wrap_epoch_end",
     "epoch_loop_ends",
     "continue_after_save_point",
+    "ddp_bucket_layout",
+    "wrap_ddp_setup_model",
     "cluster_environment",
     "train_epoch_metrics",
     "continue_train_epoch_metrics",
@@ -67,7 +76,7 @@ __all__ = [
 PRIVATE_NAMES = (
     "_checkpoint_connector", "_loaded_checkpoint", "_data_source", "_combined_loader", "_data_fetcher",
     "_checkpoint_io", "_WrappingCheckpointIO", "_state_dict_type", "_save_distributed_checkpoint",
-    "_experiment", "_version", "_sampler", "_generate_state_key", "_restarting",
+    "_experiment", "_version", "_sampler", "_generate_state_key", "_restarting", "_setup_model",
     "_accelerator_connector", "_results",
 )
 """The Lightning private names used here (and nowhere else in the package)."""
@@ -265,6 +274,65 @@ def continue_after_save_point(trainer: Any, patch: Patch, epoch_end: Callable[[]
 
     patch.set(fit_loop, "reset", reset_fit)
     patch.set(epoch_loop, "reset", reset_epoch)
+
+
+def ddp_bucket_layout(model: Any) -> list[list[int]] | None:
+    """The gradient buckets ``model`` (a ``DistributedDataParallel``) reduces with: parameter
+    indices per bucket, in reduction order, as DDP rebuilt them by gradient-ready order;
+    ``None`` for any other module, or a DDP that does not rebuild (static graph, unused
+    parameters). Collective (every rank of the DDP group): a DDP that has run one iteration
+    but not rebuilt yet (it would at the next forward) is rebuilt now, the same rebuild.
+    Uses ``_has_rebuilt_buckets``, ``reducer._rebuild_buckets()``, ``_get_ddp_logging_data()``
+    and ``logger.set_runtime_stats_and_log()`` (which refreshes that data)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    if not model._has_rebuilt_buckets and model.reducer._rebuild_buckets():
+        model._has_rebuilt_buckets = True
+    if not model._has_rebuilt_buckets:
+        return None
+    text = model._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    if text is None:  # the data is refreshed at each forward, before the rebuild
+        model.logger.set_runtime_stats_and_log()
+        text = model._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    if not text:
+        return None
+    return [[int(i) for i in bucket.split()] for bucket in str(text).split(",") if bucket.strip()]
+
+
+def wrap_ddp_setup_model(strategy: Any, patch: Patch, layout: Callable[[], list[list[int]] | None]) -> bool:
+    """Make ``DDPStrategy._setup_model`` (where Lightning builds the ``DistributedDataParallel``)
+    give the new DDP the bucket layout ``layout()`` returns (read then: after the checkpoint's
+    callback states are loaded; ``None``: DDP's own). ``False`` for other strategies."""
+    import sys
+
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if not isinstance(strategy, DDPStrategy):
+        return False
+    original = _require(strategy, "_setup_model", "DDPStrategy")
+
+    def setup_model(model: Any) -> Any:
+        buckets = layout()
+        if not buckets:
+            return original(model)
+        assign = dist._compute_bucket_assignment_by_size
+
+        def saved_assignment(params: Any, limits: list[int], *args: Any, **kwargs: Any) -> Any:
+            if sorted(i for bucket in buckets for i in bucket) != list(range(len(params))):
+                return assign(params, limits, *args, **kwargs)  # another model: DDP's own layout
+            return list(reversed(buckets)), [limits[-1] if limits else sys.maxsize] * len(buckets)  # DDP reverses
+
+        dist._compute_bucket_assignment_by_size = saved_assignment
+        try:
+            return original(model)
+        finally:
+            dist._compute_bucket_assignment_by_size = assign
+
+    patch.set(strategy, "_setup_model", setup_model)
+    return True
 
 
 def cluster_environment(trainer: Any) -> Any:

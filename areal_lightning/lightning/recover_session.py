@@ -44,6 +44,7 @@ from areal_lightning.lightning._internals import (
     loaded_checkpoint,
     train_loaders,
     user_checkpoint_io,
+    wrap_ddp_setup_model,
     wrap_epoch_end,
     wrap_resume_start,
     wrap_step_end,
@@ -160,6 +161,8 @@ class RecoverSession:
         wrap_step_end(trainer, self._patch, self._step_end)
         wrap_epoch_end(trainer, self._patch, self._epoch_end)
         continue_after_save_point(trainer, self._patch, self._resumed_at_epoch_end)
+        # A resumed DDP reduces its first step with the saved buckets, as the run that saved did.
+        wrap_ddp_setup_model(trainer.strategy, self._patch, lambda: self.state.ddp_buckets)
 
     def close(self) -> None:
         """Undo the wiring, release the lock (idempotent)."""

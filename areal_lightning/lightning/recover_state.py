@@ -35,6 +35,7 @@ from areal_lightning.layout import (
     STEP_INFO,
 )
 from areal_lightning.lightning._internals import (
+    ddp_bucket_layout,
     prefetched_batches,
     train_epoch_metrics,
     train_loaders,
@@ -80,6 +81,7 @@ class RecoverState:
         self.evaluator = EvaluatorPosition()
         self._saving: tuple[Any, bool, CheckpointGroup, str | None] | None = None  # trainer, at boundary, ranks, point
         self.resume_point: str | None = None  # the save point of the checkpoint loaded (SAVE_POINTS)
+        self.ddp_buckets: list[list[int]] | None = None  # DDP's gradient buckets in the checkpoint loaded
         self._pending_stop = False
         self._pending_rng: dict[str, Any] | None = None
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
@@ -110,6 +112,9 @@ class RecoverState:
         if point is not None:
             state["save_point"] = point
             state["should_stop"] = bool(trainer.should_stop)
+        layout = ddp_bucket_layout(trainer.strategy.model)  # every rank: it may rebuild DDP's buckets
+        if layout is not None:
+            state["ddp_buckets"] = layout
         state["rng"] = capture_rng()
         state["data"] = self.tracker.state_dict(batches_done(trainer), boundary, prefetched_batches(trainer))
         # Mid-epoch: the epoch aggregates of values logged with on_epoch=True so far.
@@ -178,6 +183,7 @@ class RecoverState:
         self.position.load_state_dict(state)
         self.evaluator.load_state_dict(state.get("evaluator", {}))
         self.resume_point = state.get("save_point")
+        self.ddp_buckets = state.get("ddp_buckets")
         self._pending_stop = bool(state.get("should_stop", False))
         state = self.own_rank_state(state, rank)
         if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)

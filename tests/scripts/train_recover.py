@@ -166,6 +166,7 @@ def main() -> None:
                         "or --strategy is given explicitly")
     p.add_argument("--rank-seed", action="store_true", help="seed each rank differently")
     p.add_argument("--dump-state", default=None, help="prefix of full model+optimizer dumps (see DumpState)")
+    p.add_argument("--dump-every", type=int, default=None, help="steps between dumps (default: --freq-steps)")
     p.add_argument("--freq-secs", type=int, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps, times (rank + 1)")
     p.add_argument("--sigterm-at-step", type=int, default=None, help="SIGTERM to itself at the end of that step")
@@ -190,7 +191,7 @@ def main() -> None:
     if args.sigterm_at_step is not None:
         callbacks.insert(0, SignalAt(args.sigterm_at_step, args.sigterm_rank, args.root))
     if args.dump_state is not None:
-        callbacks.insert(0, DumpState(args.dump_state, args.freq_steps))
+        callbacks.insert(0, DumpState(args.dump_state, args.dump_every or args.freq_steps))
     if args.disk_full_at_step is not None:
         callbacks.insert(0, LimitFileSize(args.disk_full_at_step, 4096))
     logger = (pl.loggers.CSVLogger(os.path.join(args.root, "logs"), name="run", flush_logs_every_n_steps=1)
