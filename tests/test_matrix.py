@@ -85,8 +85,27 @@ CASES: dict[str, Case] = {
     "workers-0": Case(Job(workers=0), 7, 4),
     "workers-0-augmentation": Case(Job(workers=0, data="augment"), 7, 4),
     "workers-2": Case(Job(workers=2), 7, 4),
-    # augmentation drawn from each worker's RNG stream: only a replay reproduces it (README limits)
     "workers-2-augmentation-replay": Case(Job(workers=2, data="augment", fast_forward="replay"), 7, 4),
+    # augmentation drawn from each worker's own RNG streams (torch, random and NumPy in each sample),
+    # default fast-forward: checkpoint after an odd number of batches of epoch 1 (batch 5 goes to
+    # worker 1: the resumed workers carry each other's streams), after the first batch of epoch 2,
+    # and (persistent workers, whose streams continue across epochs) at the end of epoch 1; 3 epochs,
+    # so an epoch after the resumed one is compared too
+    **{f"workers-{w}{'-persistent' if persistent else ''}-augmentation-torch-random-numpy-{where}":
+       Case(Job(workers=w, persistent=persistent, data="augment", augment_rng="all", epochs=3, **job), crash, ckpt)
+       for w, persistent in ((0, False), (2, False), (2, True))
+       for where, job, crash, ckpt in (("mid-epoch", dict(freq_steps=5), 7, 5),
+                                       ("first-batch-of-epoch", dict(freq_steps=11), 13, 11))
+       if w or where == "mid-epoch"},
+    # a worker_init_fn seeding NumPy itself, prefetch_factor=4, two loaders with workers (one cycled)
+    "workers-2-augmentation-numpy-own-worker-init-fn": Case(
+        Job(workers=2, data="augment", augment_rng="numpy", worker_init=True, freq_steps=5), 7, 5),
+    "workers-3-prefetch-4-augmentation-torch": Case(Job(workers=3, prefetch=4, data="augment", freq_steps=5), 7, 5),
+    "workers-2-two-loaders-augmentation-torch": Case(Job(workers=2, loaders="dict2", data="augment", freq_steps=5),
+                                                     7, 5),
+    "workers-2-persistent-augmentation-torch-random-numpy-epoch-end": Case(
+        Job(workers=2, persistent=True, data="augment", augment_rng="all", epochs=3, freq_steps=None, freq_epochs=1),
+        13, 10),
     "datamodule": Case(Job(loaders="datamodule"), 7, 4),
     # the first run trains 2 epochs and finishes (final checkpoint after step 20); the resumed run
     # has max_epochs=3 and must train epoch 3 like a 3-epoch run
@@ -100,6 +119,10 @@ KILL_CASES: dict[str, Case] = {
     # 2 ranks: 5 batches per epoch and rank, 3 epochs, epoch-end validation; checkpoint after
     # step 6 (the first batch of epoch 2), killed at step 7
     "sigkill-ddp-2-ranks": Case(Job(devices=2, epochs=3, freq_steps=3), 7, 6),
+    # each rank with 2 persistent workers drawing augmentation noise: checkpoint after the first
+    # batch of epoch 2, so the resumed workers carry each other's streams, into epoch 3
+    "sigkill-ddp-2-ranks-workers-augmentation": Case(
+        Job(devices=2, epochs=3, freq_steps=3, workers=2, persistent=True, data="augment"), 7, 6),
 }
 
 

@@ -376,6 +376,15 @@ def test_a_second_run_on_the_same_trial_is_refused(tmp_path) -> None:
         trainer([recover(tmp_path), SecondRun()]).fit(Net(), plain_loader())
 
 
+def test_a_changed_num_workers_is_a_recover_mismatch(tmp_path) -> None:
+    run(tmp_path, crash_at=6, loader_fn=lambda: plain_loader(num_workers=2))
+    with pytest.raises(RecoverMismatchError, match=r"num_workers=1, but the checkpoint was written with "
+                                                   r"num_workers=2.*Use num_workers=2, or delete .* to start fresh"):
+        run(tmp_path, loader_fn=lambda: plain_loader(num_workers=1))
+    resumed = run(tmp_path, loader_fn=lambda: plain_loader(num_workers=2))  # nothing was changed by the refusal
+    assert min(resumed.losses) == 5
+
+
 @pytest.mark.parametrize("change", ["batch_size", "shorter_dataset"])
 def test_a_changed_loader_or_dataset_is_a_recover_mismatch_with_the_remedy(tmp_path, change) -> None:
     run(tmp_path, crash_at=6)  # checkpoint after step 4: 4 of the epoch's 10 batches trained

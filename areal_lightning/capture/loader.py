@@ -48,6 +48,7 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks, from_saved, to_saved
 from areal_lightning.errors import RecoverMismatchError, start_fresh
 
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
@@ -102,8 +103,12 @@ def _resumable_subclass(cls: type) -> type:
             return inner
         return _TrackedSampler(inner, type(self)._areal_tracker, type(self)._areal_index)
 
+    def _get_iterator(self: Any) -> Any:
+        return type(self)._areal_tracker._make_iterator(self, super(sub, self)._get_iterator)
+
     sub = type(f"Resumable{cls.__name__}", (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                                      "_index_sampler": property(_index_sampler),
+                                                     "_get_iterator": _get_iterator,
                                                      "_areal_resumable": True})
     return sub
 
@@ -124,10 +129,21 @@ class _TrackedSampler:
         return len(self._inner)
 
     def __iter__(self) -> Iterator[Any]:
+        streams = self._tracker._directives.pop(self._index, None)
         skip = self._tracker._sampler_skip.pop(self._index, None)
-        if skip is not None:
-            yield from self._fast_forward(*skip)
+        batches = self._fast_forward(*skip) if skip is not None else self._draw()
+        if streams is None:
+            yield from batches
             return
+        # The first batch each worker gets carries its random stream's state (worker_rng).
+        for j, batch in enumerate(batches):
+            state = streams[j] if j < len(streams) else None
+            yield DirectedIndices(batch, state) if state is not None and isinstance(batch, list) else batch
+            if j + 1 >= len(streams):
+                break
+        yield from batches
+
+    def _draw(self) -> Iterator[Any]:
         indices = iter(self._inner)
         state = torch.get_rng_state()
         first = next(indices, _END)
@@ -181,13 +197,22 @@ def _drop(iterator: Iterator[Any], n: int) -> int:
 _END = object()
 
 
-def _check_batch_size(loader: Any, index: int, pending: dict[str, Any]) -> None:
+def _check_loader(loader: Any, index: int, pending: dict[str, Any]) -> None:
+    """A resumed loader must have the saved ``batch_size`` and (map-style) ``num_workers``."""
     want = pending.get("batch_size")
     if want is not None and getattr(loader, "batch_size", want) != want:
         raise RecoverMismatchError(
             f"resume: train dataloader {index} has batch_size={loader.batch_size}, but the checkpoint was "
             f"written with batch_size={want}; the saved position would point at other samples. Use the "
             f"same batch size, or {start_fresh()}.")
+    saved_workers = pending.get("num_workers")
+    workers = getattr(loader, "num_workers", 0)
+    if saved_workers is not None and saved_workers != workers and not isinstance(loader.dataset, IterableDataset):
+        raise RecoverMismatchError(
+            f"resume: train dataloader {index} has num_workers={workers}, but the checkpoint was written with "
+            f"num_workers={saved_workers}; random augmentations drawn in the workers (or in this process "
+            f"without workers) would come from other streams. Use num_workers={saved_workers}, or "
+            f"{start_fresh()}.")
 
 
 def _ended_early(done: int, wanted: int) -> str:
@@ -225,6 +250,11 @@ class _TrackedIterator:
         self.loader_states: dict[int, Any] = {}
         self.position = offset + replay
         self._started = False
+        self.workers = 0  # > 0: batches come from worker processes reporting their random streams
+        self.before: dict[int, Any] = {}  # position -> its stream's RNG state before the batch
+        self.after: dict[int, Any] = {}  # position -> ... after the batch
+        self._ahead: collections.deque = collections.deque()  # read ahead (see ensure_received)
+        self._received = self.position  # positions received from the inner iterator
 
     def __iter__(self) -> "_TrackedIterator":
         return self
@@ -244,9 +274,32 @@ class _TrackedIterator:
         if self._stateful_loader is not None:
             self.loader_states[self.position] = self._stateful_loader.state_dict()
             self.loader_states.pop(self.position - self._KEEP, None)
-        batch = next(self._inner)
+        batch = self._ahead.popleft() if self._ahead else self._receive()
         self.position += 1
         return batch
+
+    def _receive(self) -> Any:
+        batch = next(self._inner)
+        if isinstance(batch, WorkerBatch):
+            at = self._received
+            self.before[at], self.after[at] = batch.before, batch.after
+            self._tracker._stream_after.setdefault(self._index, {})[at % self.workers] = batch.after
+            for old in [k for k in self.before if k < at - 2 * self.workers - self._KEEP]:
+                self.before.pop(old, None)
+                self.after.pop(old, None)
+            batch = batch.data
+        self._received += 1
+        return batch
+
+    def ensure_received(self, upto: int) -> None:
+        """Receive the batches up to position ``upto`` (exclusive) now, keeping them for
+        ``next()``: their workers fetched them already (the DataLoader prefetches); their
+        reports tell the random streams' states at a save."""
+        while self._received < upto:
+            try:
+                self._ahead.append(self._receive())
+            except StopIteration:
+                return
 
     def _replay_batches(self) -> None:
         start = time.perf_counter()
@@ -349,6 +402,10 @@ class LoaderTracker:
         self._loaders: dict[int, Any] = {}
         self._pending: dict[int, dict[str, Any]] = {}
         self.replayed: list[str] = []
+        self._directives: dict[int, list[Any]] = {}  # loader -> stream states for its next iterator's first batches
+        self._stream_after: dict[int, dict[int, Any]] = {}  # loader -> stream -> state after its latest batch
+        self._rotated: set[int] = set()  # persistent loaders whose workers carry other streams than their ids
+        self._spare_base_seed: set[int] = set()  # see _make_iterator
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -363,7 +420,7 @@ class LoaderTracker:
         # the loader (DistributedSampler injection builds a new object of the same class).
         pending = self._pending.get(index)
         if pending is not None:  # raised here, before Lightning iterates (its teardown would mask it)
-            _check_batch_size(loader, index, pending)
+            _check_loader(loader, index, pending)
         sub = _resumable_subclass(cls)
         sub._areal_tracker = self
         sub._areal_index = index
@@ -378,6 +435,33 @@ class LoaderTracker:
             if cls.__dict__.get("_areal_resumable", False):
                 object.__setattr__(loader, "__class__", cls.__mro__[1])
         self._loaders = {}
+
+    def streams_apply(self, loader: Any) -> bool:
+        """Whether ``loader``'s worker random streams are captured and restored: map-style,
+        batched, ``num_workers > 0``, not a stateful loader, ``fast_forward="sampler"``."""
+        return (self.fast_forward == "sampler" and getattr(loader, "num_workers", 0) > 0
+                and not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
+                and not is_stateful_loader(loader))
+
+    def _make_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
+        """Build the DataLoader's own iterator (``_get_iterator``), with the worker hooks
+        (:mod:`~areal_lightning.capture.worker_rng`) where the streams apply.
+
+        After an epoch-end checkpoint, a loader with persistent workers is created anew where
+        the run that saved reused its iterator, which draws no worker base seed from the
+        global RNG: the new iterator draws it from a spare generator, so the sampler's order
+        and the training's randomness see the same global RNG stream."""
+        user = loader.collate_fn, loader.worker_init_fn, loader.generator
+        if self.streams_apply(loader):
+            hooks = WorkerHooks(loader.collate_fn, loader.worker_init_fn)
+            loader.collate_fn, loader.worker_init_fn = hooks.collate, hooks.init
+        if type(loader)._areal_index in self._spare_base_seed:
+            self._spare_base_seed.discard(type(loader)._areal_index)
+            loader.generator = torch.Generator().manual_seed(0)  # the workers' streams are set by directives
+        try:
+            return make()
+        finally:
+            loader.collate_fn, loader.worker_init_fn, loader.generator = user
 
     # -- save / load -----------------------------------------------------------------------
 
@@ -396,7 +480,11 @@ class LoaderTracker:
             position = getattr(iterator, "position", None)
             done = position - prefetched if isinstance(position, int) else batches_done
             entry: dict[str, Any] = {"stateful": stateful, "batches_done": done,
-                                     "batch_size": getattr(loader, "batch_size", None)}
+                                     "batch_size": getattr(loader, "batch_size", None),
+                                     "num_workers": getattr(loader, "num_workers", 0)}
+            streams = self._streams(index, loader, iterator, done, at_boundary)
+            if streams is not None:
+                entry["worker_streams"] = streams
             states = getattr(iterator, "dataset_states", {})
             if not at_boundary and not stateful and done in states:
                 entry["dataset_state"] = states[done]  # the IterableDataset before its first untrained batch
@@ -418,6 +506,30 @@ class LoaderTracker:
             loaders[str(index)] = entry
         return {"at_boundary": at_boundary, "loaders": loaders}
 
+    def _streams(self, index: int, loader: Any, iterator: Any, done: int, at_boundary: bool) -> list[Any] | None:
+        """Per worker stream ``s``, its RNG state before its next batch (saved form; ``None``
+        where unknown): mid-epoch the state before the stream's first untrained batch (received
+        now if needed); at an epoch boundary, for persistent workers, the state after the
+        stream's last batch (workers that do not persist are seeded anew next epoch)."""
+        workers = getattr(iterator, "workers", 0)
+        if not workers or not self.streams_apply(loader):
+            return None
+        if at_boundary:
+            if not loader.persistent_workers:
+                return None
+            latest = self._stream_after.get(index, {})
+            return [to_saved(latest[s]) if latest.get(s) is not None else None for s in range(workers)]
+        iterator.ensure_received(done + workers)
+        out: list[Any] = []
+        for s in range(workers):
+            k = done + (s - done) % workers  # the stream's first untrained batch
+            state = iterator.before.get(k)
+            if state is None:  # the epoch ends before it: the state after the stream's last batch
+                state = iterator.after.get(k - workers) if k - workers >= 0 else \
+                    self._stream_after.get(index, {}).get(s)
+            out.append(to_saved(state) if state is not None else None)
+        return out
+
     def load_state_dict(self, state: dict[str, Any], checkpoint_rng: torch.Tensor) -> None:
         """Arm the replay for the next ``iter()`` of each loader.
 
@@ -426,7 +538,10 @@ class LoaderTracker:
         """
         self._pending = {}
         for key, entry in state.get("loaders", {}).items():
-            common = {"batch_size": entry.get("batch_size"), "sampler_epoch": entry.get("sampler_epoch")}
+            common = {"batch_size": entry.get("batch_size"), "sampler_epoch": entry.get("sampler_epoch"),
+                      "num_workers": entry.get("num_workers"), "worker_streams": entry.get("worker_streams"),
+                      "done": 0 if state["at_boundary"] else int(entry["batches_done"]),
+                      "at_boundary": bool(state["at_boundary"])}
             if state["at_boundary"]:
                 self._pending[int(key)] = {**common, "rng": checkpoint_rng, "skip": 0,
                                            "sampler_generator": entry.get("sampler_generator")}
@@ -448,7 +563,8 @@ class LoaderTracker:
         pending = self._pending.pop(index, None)
         gen = _sampler_generator(loader, self._unwrap_sampler)
         if pending is not None:
-            _check_batch_size(loader, index, pending)
+            _check_loader(loader, index, pending)
+            self._arm_streams(loader, index, pending)
             sampler = _index_sampler(loader)
             if pending.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
                 # Lightning creates the resumed iterator before it sets the sampler's epoch; a
@@ -486,6 +602,11 @@ class LoaderTracker:
                 else "fast_forward='replay'" if not iterable else
                 "an IterableDataset without state_dict/load_state_dict" if not _has_state(loader.dataset) else
                 "its IterableDataset runs in worker processes; a StatefulDataLoader keeps their state")
+        if pending is None and index in self._rotated and self.streams_apply(loader):
+            # Persistent workers of a resumed process carry the streams of other workers: each
+            # epoch's first batches give every worker its own stream's state back.
+            latest = self._stream_after.get(index, {})
+            self._directives[index] = [latest.get(s) for s in range(loader.num_workers)]
         # A stateful loader over an unsized dataset: Lightning fetches a batch ahead, which its own
         # state_dict at save time would count as consumed; its state from before each fetch is kept.
         ahead = loader if is_stateful_loader(loader) and iterable and not _has_len(loader) else None
@@ -493,12 +614,31 @@ class LoaderTracker:
                                     first_rng=pending["first_rng"] if replay else None, dataset=dataset,
                                     record_rng=iterable or is_stateful_loader(loader), stateful_loader=ahead)
         self._iters[index] = iterator
+        if self.streams_apply(loader):
+            iterator.workers = loader.num_workers
         if pending is not None:
             if not what:
                 what = "its own state restored" if pending.get("loader_state") is not None else "epoch start"
             self.replayed.append(f"loader {index}: {what}")
             log.debug("train loader %d resumed: %s", index, what)
         return iterator
+
+    def _arm_streams(self, loader: Any, index: int, pending: dict[str, Any]) -> None:
+        """Before a resumed iterator: check ``num_workers`` and arm the stream directives."""
+        if pending.get("at_boundary") and getattr(loader, "persistent_workers", False) and loader.num_workers > 0:
+            self._spare_base_seed.add(index)
+        workers = getattr(loader, "num_workers", 0)
+        streams = pending.get("worker_streams")
+        if not streams or not self.streams_apply(loader):
+            return
+        done = pending.get("done", 0)
+        # Resumed batch j goes to worker j; it is batch done + j of the epoch, of stream (done + j) % W.
+        directives = [streams[(done + j) % workers] for j in range(workers)]
+        self._directives[index] = [from_saved(d) if d is not None else None for d in directives]
+        if loader.persistent_workers:
+            self._stream_after[index] = {s: from_saved(d) for s, d in enumerate(streams) if d is not None}
+            if done % workers:
+                self._rotated.add(index)
 
     def loader_state(self, index: int, loader: Any, batches_done: int) -> Any:
         """A stateful loader's own state at its position ``batches_done``: the one kept from

@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import signal
 import time
 import warnings
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
@@ -63,6 +65,10 @@ class Job:
 
     data: str = "plain"  # plain | augment | iterable | iterable_stateful | iterable_stateful_sdl
     workers: int = 0
+    persistent: bool = False  # persistent_workers=True
+    augment_rng: str = "torch"  # data="augment": noise from torch | random | numpy | all (in the worker with workers)
+    worker_init: bool = False  # a worker_init_fn seeding NumPy from torch's worker seed, as many scripts do
+    prefetch: int | None = None  # DataLoader(prefetch_factor=...)
     loaders: str = "single"  # single | dict2 | datamodule
     manual: bool = False  # actor + critic, two optimisers, manual_backward
     mc_es: bool = False  # ModelCheckpoint(monitor=val_loss, save_top_k=2) + EarlyStopping
@@ -216,9 +222,10 @@ class CrashAt(Callback):
 
 
 class Regression(Dataset):
-    """Deterministic random regression data; ``augment`` adds noise from the global torch RNG."""
+    """Deterministic random regression data; ``augment`` adds noise drawn from the process's
+    global RNG (``torch``, ``random`` or NumPy): a worker's own stream with ``num_workers > 0``."""
 
-    def __init__(self, n: int, seed: int, augment: bool = False) -> None:
+    def __init__(self, n: int, seed: int, augment: str | None = None) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x, self.y = torch.randn(n, FEATURES, generator=g), torch.randn(n, 1, generator=g)
         self.augment = augment
@@ -228,8 +235,12 @@ class Regression(Dataset):
 
     def __getitem__(self, i: int):
         x = self.x[i]
-        if self.augment:
+        if self.augment in ("torch", "all"):
             x = x + 0.1 * torch.randn(FEATURES)
+        if self.augment in ("random", "all"):
+            x = x * (1.0 + 0.1 * random.random())
+        if self.augment in ("numpy", "all"):
+            x = x + torch.from_numpy(0.1 * np.random.standard_normal(FEATURES).astype(np.float32))
         return x, self.y[i]
 
 
@@ -283,8 +294,17 @@ def train_loader(job: Job) -> Any:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(StatefulStream(job.n_train, 7), batch_size=BATCH)
-    ds = Regression(job.n_train, 7, augment=job.data == "augment")
-    return DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=job.workers)
+    ds = Regression(job.n_train, 7, augment=job.augment_rng if job.data == "augment" else None)
+    extra: dict[str, Any] = {"worker_init_fn": seed_numpy_per_worker} if job.worker_init else {}
+    if job.prefetch is not None:
+        extra["prefetch_factor"] = job.prefetch
+    return DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=job.workers, persistent_workers=job.persistent,
+                      **extra)
+
+
+def seed_numpy_per_worker(worker_id: int) -> None:
+    """The usual worker_init_fn: NumPy seeded from the worker's torch seed."""
+    np.random.seed(torch.initial_seed() % 2**32)
 
 
 def val_loader() -> DataLoader:
@@ -293,7 +313,8 @@ def val_loader() -> DataLoader:
 
 def train_loaders(job: Job) -> Any:
     if job.loaders == "dict2":
-        return {"a": train_loader(job), "b": DataLoader(Regression(24, 5), batch_size=BATCH, shuffle=True)}
+        second = Regression(24, 5, augment=job.augment_rng if job.data == "augment" else None)
+        return {"a": train_loader(job), "b": DataLoader(second, batch_size=BATCH, shuffle=True, num_workers=job.workers)}
     return train_loader(job)
 
 

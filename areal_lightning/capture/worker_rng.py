@@ -1,0 +1,142 @@
+"""Capture: the random streams of DataLoader worker processes, across a resume.
+
+A map-style ``DataLoader`` with ``num_workers=W`` hands batch ``k`` of an epoch to worker
+``k % W`` (round robin, in order), and each worker draws its augmentations (``torch``,
+``random``, NumPy) from its own RNG, seeded ``base_seed + worker_id`` when it starts; so the
+``k``-th batch's randomness comes from *stream* ``k % W`` after that stream produced the
+batches ``k - W, k - 2W, ...``. Neither Lightning nor torchdata keeps these streams: after a
+mid-epoch resume the new workers restart their streams from their seeds, so the right samples
+get other augmentations.
+
+Here each worker reports, with every batch, its RNG states right before the batch's samples
+were fetched and right after its collate function returned (:class:`WorkerBatch`, unwrapped
+in the main process by the loader tracker). A checkpoint stores, per stream, the state before
+its first untrained batch. On resume, the first ``W`` batches of the resumed epoch carry a
+directive (:class:`DirectedIndices`, the batch's index list) and the worker that gets one
+sets its RNG to that stream's state before fetching: resumed batch ``j`` (worker ``j``) is
+batch ``N + j`` of the epoch, of stream ``(N + j) % W``; every later batch of that worker
+belongs to the same stream. With ``persistent_workers=True`` the streams continue across
+epochs, so the first ``W`` batches of each later epoch of a resumed process (and of the
+epoch after an epoch-end checkpoint) carry the stream states too.
+
+The hooks run in the workers through the loader's ``collate_fn`` and ``worker_init_fn``
+(:class:`WorkerHooks`: the user's functions are called as before) and an instance
+``__getitems__`` on the worker's copy of the dataset, which torch's map-style fetcher calls
+with the batch's indices before fetching.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+__all__ = ["WorkerBatch", "DirectedIndices", "WorkerHooks", "raw_state", "to_saved", "from_saved"]
+
+_BEFORE: list[Any] = []  # in a worker: the RNG state before the batch being fetched
+
+
+def raw_state() -> tuple[bytes, Any, Any]:
+    """This process's torch CPU, ``random`` and NumPy RNG states, cheap to pickle (no tensors:
+    they would go through shared memory)."""
+    return torch.get_rng_state().numpy().tobytes(), random.getstate(), np.random.get_state()
+
+
+def set_raw_state(state: tuple[bytes, Any, Any]) -> None:
+    """Set this process's RNGs to a :func:`raw_state`."""
+    torch_bytes, py, npst = state
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8))
+    random.setstate(py)
+    np.random.set_state(npst)
+
+
+def to_saved(state: tuple[bytes, Any, Any]) -> dict[str, Any]:
+    """A :func:`raw_state` as checkpoint content (tensors, ints, strings; loads with ``weights_only``)."""
+    torch_bytes, (version, internal, gauss), (kind, keys, pos, has_gauss, cached) = state
+    return {"torch": torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8).clone(),
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                       "gauss": gauss if gauss is not None else "none"},
+            "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def from_saved(saved: dict[str, Any]) -> tuple[bytes, Any, Any]:
+    """The :func:`raw_state` of a :func:`to_saved` dict."""
+    py, npst = saved["python"], saved["numpy"]
+    gauss = None if py["gauss"] == "none" else py["gauss"]
+    return (saved["torch"].to(torch.uint8).cpu().numpy().tobytes(),
+            (py["version"], tuple(int(x) for x in py["state"].tolist()), gauss),
+            (npst["kind"], npst["keys"].numpy().astype(np.uint32), int(npst["pos"]), int(npst["has_gauss"]),
+             float(npst["cached_gaussian"])))
+
+
+class WorkerBatch:
+    """A collated batch as a worker returns it, with its stream's RNG states before and after."""
+
+    __slots__ = ("data", "before", "after")
+
+    def __init__(self, data: Any, before: Any, after: Any) -> None:
+        self.data, self.before, self.after = data, before, after
+
+    def pin_memory(self) -> "WorkerBatch":
+        """Pin the batch (the DataLoader's ``pin_memory=True`` thread calls this)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return WorkerBatch(pin_memory(self.data), self.before, self.after)
+
+
+class DirectedIndices(list):
+    """A batch's index list carrying the RNG state its worker must take before fetching it."""
+
+    def __init__(self, indices: Any, rng: tuple[bytes, Any, Any]) -> None:
+        super().__init__(indices)
+        self.rng = rng
+
+    def __reduce__(self) -> Any:  # pickled to the worker with its state
+        return (DirectedIndices, (list(self), self.rng))
+
+
+class WorkerHooks:
+    """The ``collate_fn`` and ``worker_init_fn`` given to the DataLoader iterator: the user's
+    own, plus the stream capture and the directives (picklable, for ``spawn`` workers too)."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> None:
+        self.user_collate = collate_fn
+        self.user_init = worker_init_fn
+
+    def collate(self, samples: Any) -> WorkerBatch:
+        """Collate with the user's function, then report the stream's states."""
+        data = self.user_collate(samples)
+        before = _BEFORE.pop() if _BEFORE else None
+        return WorkerBatch(data, before, raw_state())
+
+    def init(self, worker_id: int) -> None:
+        """The user's ``worker_init_fn`` (its seeding included), then the fetch hook."""
+        if self.user_init is not None:
+            self.user_init(worker_id)
+        info = get_worker_info()
+        if info is not None:
+            _install_fetch_hook(info.dataset)
+
+
+def _install_fetch_hook(dataset: Any) -> None:
+    """Give the worker's copy of ``dataset`` an instance ``__getitems__`` (torch's fetcher calls
+    it with a batch's indices) that applies a directive and notes the state before the fetch."""
+    original = getattr(dataset, "__getitems__", None)
+
+    def getitems(indices: Any) -> Any:
+        rng = getattr(indices, "rng", None)
+        if rng is not None:
+            set_raw_state(rng)
+        _BEFORE[:] = [raw_state()]
+        if original is not None:
+            return original(indices)
+        return [dataset[i] for i in indices]
+
+    try:
+        object.__setattr__(dataset, "__getitems__", getitems)
+    except (AttributeError, TypeError):  # a dataset with __slots__: no capture (its loader is then not exact)
+        pass
