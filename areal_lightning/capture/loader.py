@@ -28,12 +28,14 @@ skip the next epoch) and the state of its sampler's generator is restored instea
 DDP Lightning wraps its sampler into a ``DistributedSamplerWrapper`` whose permutation the
 loader's state does not hold: such a loader is replayed like a plain one, its sampler's
 generator set back to where the epoch began (:func:`restores_itself`). A changed
-``batch_size`` is refused.
+``batch_size`` or ``num_workers`` is refused.
 
-Limits: with ``num_workers > 0``, randomness drawn from a worker's RNG in
-``Dataset.__getitem__`` is reproduced by ``fast_forward="replay"`` only (each worker's
-stream depends on the samples it processed); ``persistent_workers=True`` keeps one iterator
-across epochs and is exact only for resumes inside the first epoch of a process.
+With ``num_workers > 0`` the randomness each worker draws in ``Dataset.__getitem__`` and
+``collate_fn`` (torch, ``random``, NumPy) continues exactly too: the workers' random streams
+are captured with every batch and given back to the resumed workers
+(:mod:`~areal_lightning.capture.worker_rng`), also with ``persistent_workers=True``, whose
+streams run on across epochs (after an epoch-end checkpoint the new persistent iterator draws
+its worker base seed from a spare generator, as the run that saved drew none).
 """
 
 from __future__ import annotations
@@ -133,12 +135,17 @@ class _TrackedSampler:
         skip = self._tracker._sampler_skip.pop(self._index, None)
         batches = self._fast_forward(*skip) if skip is not None else self._draw()
         if streams is None:
+            self._tracker._directed.pop(self._index, None)
             yield from batches
             return
         # The first batch each worker gets carries its random stream's state (worker_rng).
+        directed = self._tracker._directed[self._index] = {}
         for j, batch in enumerate(batches):
             state = streams[j] if j < len(streams) else None
-            yield DirectedIndices(batch, state) if state is not None and isinstance(batch, list) else batch
+            if state is not None and isinstance(batch, list):
+                directed[j] = state
+                batch = DirectedIndices(batch, state)
+            yield batch
             if j + 1 >= len(streams):
                 break
         yield from batches
@@ -255,6 +262,7 @@ class _TrackedIterator:
         self.after: dict[int, Any] = {}  # position -> ... after the batch
         self._ahead: collections.deque = collections.deque()  # read ahead (see ensure_received)
         self._received = self.position  # positions received from the inner iterator
+        self._start = self.position
 
     def __iter__(self) -> "_TrackedIterator":
         return self
@@ -282,7 +290,13 @@ class _TrackedIterator:
         batch = next(self._inner)
         if isinstance(batch, WorkerBatch):
             at = self._received
-            self.before[at], self.after[at] = batch.before, batch.after
+            last = self._tracker._worker_after.setdefault(self._index, {})
+            directed = self._tracker._directed.get(self._index, {}).get(at - self._start)
+            # The state before this batch: the worker's report (its first batch), the directive
+            # it carried, or the state after the same worker's previous batch.
+            self.before[at] = batch.before if batch.before is not None else \
+                directed if directed is not None else last.get(batch.worker)
+            self.after[at] = last[batch.worker] = batch.after
             self._tracker._stream_after.setdefault(self._index, {})[at % self.workers] = batch.after
             for old in [k for k in self.before if k < at - 2 * self.workers - self._KEEP]:
                 self.before.pop(old, None)
@@ -359,9 +373,9 @@ def remap_position(state: dict[str, Any], old_world: int, new_world: int) -> dic
 
 FAST_FORWARD_MODES = ("sampler", "replay")
 """How a mid-epoch resume passes the batches already trained on: ``sampler`` draws and drops
-their indices without fetching a sample (map-style datasets; an ``IterableDataset`` with
-``state_dict``/``load_state_dict`` gets its state back instead); ``replay`` fetches them
-through the dataset (also exact for datasets that draw from a worker's RNG stream)."""
+their indices without fetching a sample (map-style datasets, whose workers get their random
+streams back; an ``IterableDataset`` with ``state_dict``/``load_state_dict`` gets its state
+back instead); ``replay`` fetches them through the dataset."""
 
 
 def _has_len(loader: Any) -> bool:
@@ -406,6 +420,8 @@ class LoaderTracker:
         self._stream_after: dict[int, dict[int, Any]] = {}  # loader -> stream -> state after its latest batch
         self._rotated: set[int] = set()  # persistent loaders whose workers carry other streams than their ids
         self._spare_base_seed: set[int] = set()  # see _make_iterator
+        self._directed: dict[int, dict[int, Any]] = {}  # loader -> batch j of its iterator -> directive state
+        self._worker_after: dict[int, dict[int, Any]] = {}  # loader -> worker id -> state after its latest batch
 
     # -- wiring ----------------------------------------------------------------------------
 

@@ -8,9 +8,11 @@ batches ``k - W, k - 2W, ...``. Neither Lightning nor torchdata keeps these stre
 mid-epoch resume the new workers restart their streams from their seeds, so the right samples
 get other augmentations.
 
-Here each worker reports, with every batch, its RNG states right before the batch's samples
-were fetched and right after its collate function returned (:class:`WorkerBatch`, unwrapped
-in the main process by the loader tracker). A checkpoint stores, per stream, the state before
+Here each worker reports, with every batch, its id and its RNG states right after its
+collate function returned, and with its first batch also the states right before that
+batch's samples were fetched (:class:`WorkerBatch`, unwrapped in the main process by the
+loader tracker, which knows every batch's state before it: the state after the same worker's
+previous batch, or the directive the batch carried, or the first batch's report). A checkpoint stores, per stream, the state before
 its first untrained batch. On resume, the first ``W`` batches of the resumed epoch carry a
 directive (:class:`DirectedIndices`, the batch's index list) and the worker that gets one
 sets its RNG to that stream's state before fetching: resumed batch ``j`` (worker ``j``) is
@@ -36,7 +38,8 @@ from torch.utils.data import get_worker_info
 
 __all__ = ["WorkerBatch", "DirectedIndices", "WorkerHooks", "raw_state", "to_saved", "from_saved"]
 
-_BEFORE: list[Any] = []  # in a worker: the RNG state before the batch being fetched
+_BEFORE: list[Any] = []  # in a worker: the RNG state before the batch being fetched, for its first batch
+_FIRST: list[bool] = [False]  # in a worker: no batch reported yet
 
 
 def raw_state() -> tuple[bytes, Any, Any]:
@@ -74,18 +77,19 @@ def from_saved(saved: dict[str, Any]) -> tuple[bytes, Any, Any]:
 
 
 class WorkerBatch:
-    """A collated batch as a worker returns it, with its stream's RNG states before and after."""
+    """A collated batch as a worker returns it: the worker's id, its RNG states after the batch
+    and (first batch of the worker only) before it."""
 
-    __slots__ = ("data", "before", "after")
+    __slots__ = ("data", "worker", "before", "after")
 
-    def __init__(self, data: Any, before: Any, after: Any) -> None:
-        self.data, self.before, self.after = data, before, after
+    def __init__(self, data: Any, worker: int, before: Any, after: Any) -> None:
+        self.data, self.worker, self.before, self.after = data, worker, before, after
 
     def pin_memory(self) -> "WorkerBatch":
         """Pin the batch (the DataLoader's ``pin_memory=True`` thread calls this)."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return WorkerBatch(pin_memory(self.data), self.before, self.after)
+        return WorkerBatch(pin_memory(self.data), self.worker, self.before, self.after)
 
 
 class DirectedIndices(list):
@@ -108,15 +112,18 @@ class WorkerHooks:
         self.user_init = worker_init_fn
 
     def collate(self, samples: Any) -> WorkerBatch:
-        """Collate with the user's function, then report the stream's states."""
+        """Collate with the user's function, then report the worker's states."""
         data = self.user_collate(samples)
         before = _BEFORE.pop() if _BEFORE else None
-        return WorkerBatch(data, before, raw_state())
+        _FIRST[0] = False
+        info = get_worker_info()
+        return WorkerBatch(data, info.id if info is not None else 0, before, raw_state())
 
     def init(self, worker_id: int) -> None:
         """The user's ``worker_init_fn`` (its seeding included), then the fetch hook."""
         if self.user_init is not None:
             self.user_init(worker_id)
+        _FIRST[0] = True
         info = get_worker_info()
         if info is not None:
             _install_fetch_hook(info.dataset)
@@ -131,7 +138,8 @@ def _install_fetch_hook(dataset: Any) -> None:
         rng = getattr(indices, "rng", None)
         if rng is not None:
             set_raw_state(rng)
-        _BEFORE[:] = [raw_state()]
+        if _FIRST[0]:
+            _BEFORE[:] = [raw_state()]
         if original is not None:
             return original(indices)
         return [dataset[i] for i in indices]

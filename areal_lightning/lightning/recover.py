@@ -89,9 +89,9 @@ class RecoverCallback(Callback):
         fast_forward: how a mid-epoch resume passes the batches of the epoch already trained
             on: ``"sampler"`` (default) draws and drops their indices without fetching a sample
             (an ``IterableDataset`` with ``state_dict``/``load_state_dict`` gets its state back;
-            one without is replayed, and the log says how long that took); ``"replay"`` fetches
-            them through the dataset, for datasets whose ``__getitem__`` draws from the RNG
-            stream of a worker process (``num_workers > 0``), which only a replay reproduces.
+            one without is replayed, and the log says how long that took), and gives the
+            DataLoader workers (``num_workers > 0``) the random streams they had, so random
+            augmentations continue exactly; ``"replay"`` fetches them through the dataset.
         preempt_signals: signals that mean "this run is being preempted" (default SIGTERM;
             also e.g. ``["SIGTERM", "SIGUSR1"]``; ``None`` or ``[]``: none). On one, the run
             finishes its optimizer step, every rank agrees on that step, writes a recover
