@@ -97,6 +97,10 @@ CASES: dict[str, Case] = {
        for where, job, crash, ckpt in (("mid-epoch", dict(freq_steps=5), 7, 5),
                                        ("first-batch-of-epoch", dict(freq_steps=11), 13, 11))
        if w or where == "mid-epoch"},
+    # torchdata's StatefulDataLoader restores its position and worker order, not its workers' streams
+    **{f"stateful-dataloader-workers-2-augmentation-torch-random-numpy-{where}":
+       Case(Job(workers=2, sdl=True, data="augment", augment_rng="all", epochs=3, freq_steps=freq), crash, ckpt)
+       for where, freq, crash, ckpt in (("mid-epoch", 5, 7, 5), ("first-batch-of-epoch", 11, 13, 11))},
     # a worker_init_fn seeding NumPy itself, prefetch_factor=4, two loaders with workers (one cycled)
     "workers-2-augmentation-numpy-own-worker-init-fn": Case(
         Job(workers=2, data="augment", augment_rng="numpy", worker_init=True, freq_steps=5), 7, 5),

@@ -421,6 +421,7 @@ class LoaderTracker:
         self._rotated: set[int] = set()  # persistent loaders whose workers carry other streams than their ids
         self._spare_base_seed: set[int] = set()  # see _make_iterator
         self._directed: dict[int, dict[int, Any]] = {}  # loader -> batch j of its iterator -> directive state
+        self._initial: dict[int, list[Any]] = {}  # loader -> per worker id: the stream state its workers start from
         self._worker_after: dict[int, dict[int, Any]] = {}  # loader -> worker id -> state after its latest batch
 
     # -- wiring ----------------------------------------------------------------------------
@@ -454,10 +455,11 @@ class LoaderTracker:
 
     def streams_apply(self, loader: Any) -> bool:
         """Whether ``loader``'s worker random streams are captured and restored: map-style,
-        batched, ``num_workers > 0``, not a stateful loader, ``fast_forward="sampler"``."""
-        return (self.fast_forward == "sampler" and getattr(loader, "num_workers", 0) > 0
-                and not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
-                and not is_stateful_loader(loader))
+        batched, ``num_workers > 0``, and ``fast_forward="sampler"`` or a ``StatefulDataLoader``
+        (which restores its own position)."""
+        return (getattr(loader, "num_workers", 0) > 0 and not isinstance(loader.dataset, IterableDataset)
+                and loader.batch_sampler is not None
+                and (self.fast_forward == "sampler" or is_stateful_loader(loader)))
 
     def _make_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
         """Build the DataLoader's own iterator (``_get_iterator``), with the worker hooks
@@ -469,7 +471,7 @@ class LoaderTracker:
         and the training's randomness see the same global RNG stream."""
         user = loader.collate_fn, loader.worker_init_fn, loader.generator
         if self.streams_apply(loader):
-            hooks = WorkerHooks(loader.collate_fn, loader.worker_init_fn)
+            hooks = WorkerHooks(loader.collate_fn, loader.worker_init_fn, self._initial.pop(type(loader)._areal_index, None))
             loader.collate_fn, loader.worker_init_fn = hooks.collate, hooks.init
         if type(loader)._areal_index in self._spare_base_seed:
             self._spare_base_seed.discard(type(loader)._areal_index)
@@ -535,14 +537,18 @@ class LoaderTracker:
                 return None
             latest = self._stream_after.get(index, {})
             return [to_saved(latest[s]) if latest.get(s) is not None else None for s in range(workers)]
-        iterator.ensure_received(done + workers)
+        if not is_stateful_loader(loader):
+            # A StatefulDataLoader's fresh workers start from their original seeds (it restores its
+            # base seed and worker order): a stream not reported yet needs nothing. Others read on.
+            iterator.ensure_received(done + workers)
         out: list[Any] = []
         for s in range(workers):
             k = done + (s - done) % workers  # the stream's first untrained batch
             state = iterator.before.get(k)
-            if state is None:  # the epoch ends before it: the state after the stream's last batch
-                state = iterator.after.get(k - workers) if k - workers >= 0 else \
-                    self._stream_after.get(index, {}).get(s)
+            if state is None and k - workers >= 0:  # the epoch ends before it: after the stream's last batch
+                state = iterator.after.get(k - workers)
+            if state is None and loader.persistent_workers:
+                state = self._stream_after.get(index, {}).get(s)
             out.append(to_saved(state) if state is not None else None)
         return out
 
@@ -605,6 +611,8 @@ class LoaderTracker:
         skip = pending["skip"] if pending is not None and pending.get("first_rng") is not None else 0
         offset = replay = 0
         what = ""
+        if pending is not None and pending.get("loader_state") is not None:
+            offset = pending.get("done", 0)  # the loader continues from its own state: count on from there
         if skip and dataset is not None and pending.get("dataset_state") is not None:
             dataset.load_state_dict(pending["dataset_state"])
             offset, what = skip, f"its IterableDataset's state after {skip} trained batches restored"
@@ -648,12 +656,14 @@ class LoaderTracker:
         if not streams or not self.streams_apply(loader):
             return
         done = pending.get("done", 0)
-        # Resumed batch j goes to worker j; it is batch done + j of the epoch, of stream (done + j) % W.
-        directives = [streams[(done + j) % workers] for j in range(workers)]
-        self._directives[index] = [from_saved(d) if d is not None else None for d in directives]
+        # Resumed batch j goes to worker j: it is batch done + j of the epoch, of stream (done + j) % W.
+        # A StatefulDataLoader hands batch done to worker done % W itself: worker w takes stream w.
+        rotation = 0 if is_stateful_loader(loader) else done % workers
+        first = [streams[(rotation + w) % workers] for w in range(workers)]
+        self._initial[index] = [from_saved(d) if d is not None else None for d in first]
         if loader.persistent_workers:
             self._stream_after[index] = {s: from_saved(d) for s, d in enumerate(streams) if d is not None}
-            if done % workers:
+            if rotation:
                 self._rotated.add(index)
 
     def loader_state(self, index: int, loader: Any, batches_done: int) -> Any:

@@ -17,9 +17,12 @@ its first untrained batch. On resume, the first ``W`` batches of the resumed epo
 directive (:class:`DirectedIndices`, the batch's index list) and the worker that gets one
 sets its RNG to that stream's state before fetching: resumed batch ``j`` (worker ``j``) is
 batch ``N + j`` of the epoch, of stream ``(N + j) % W``; every later batch of that worker
-belongs to the same stream. With ``persistent_workers=True`` the streams continue across
-epochs, so the first ``W`` batches of each later epoch of a resumed process (and of the
-epoch after an epoch-end checkpoint) carry the stream states too.
+belongs to the same stream. The resumed workers take those states when they start
+(:class:`WorkerHooks` ``initial``; a torchdata ``StatefulDataLoader`` gives batch ``N`` to
+worker ``N % W`` itself, so its worker ``w`` takes stream ``w``). With
+``persistent_workers=True`` the streams continue across epochs, so the first ``W`` batches
+of each later epoch of a resumed process whose workers carry other streams than their own
+carry a directive (:class:`DirectedIndices`) with the stream states.
 
 The hooks run in the workers through the loader's ``collate_fn`` and ``worker_init_fn``
 (:class:`WorkerHooks`: the user's functions are called as before) and an instance
@@ -107,9 +110,11 @@ class WorkerHooks:
     """The ``collate_fn`` and ``worker_init_fn`` given to the DataLoader iterator: the user's
     own, plus the stream capture and the directives (picklable, for ``spawn`` workers too)."""
 
-    def __init__(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> None:
+    def __init__(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None,
+                 initial: list[Any] | None = None) -> None:
         self.user_collate = collate_fn
         self.user_init = worker_init_fn
+        self.initial = initial  # per worker id: the random stream state it starts from (a resume)
 
     def collate(self, samples: Any) -> WorkerBatch:
         """Collate with the user's function, then report the worker's states."""
@@ -123,6 +128,8 @@ class WorkerHooks:
         """The user's ``worker_init_fn`` (its seeding included), then the fetch hook."""
         if self.user_init is not None:
             self.user_init(worker_id)
+        if self.initial is not None and worker_id < len(self.initial) and self.initial[worker_id] is not None:
+            set_raw_state(self.initial[worker_id])
         _FIRST[0] = True
         info = get_worker_info()
         if info is not None:

@@ -69,6 +69,7 @@ class Job:
     augment_rng: str = "torch"  # data="augment": noise from torch | random | numpy | all (in the worker with workers)
     worker_init: bool = False  # a worker_init_fn seeding NumPy from torch's worker seed, as many scripts do
     prefetch: int | None = None  # DataLoader(prefetch_factor=...)
+    sdl: bool = False  # the map-style data in torchdata's StatefulDataLoader instead of a DataLoader
     loaders: str = "single"  # single | dict2 | datamodule
     manual: bool = False  # actor + critic, two optimisers, manual_backward
     mc_es: bool = False  # ModelCheckpoint(monitor=val_loss, save_top_k=2) + EarlyStopping
@@ -298,6 +299,11 @@ def train_loader(job: Job) -> Any:
     extra: dict[str, Any] = {"worker_init_fn": seed_numpy_per_worker} if job.worker_init else {}
     if job.prefetch is not None:
         extra["prefetch_factor"] = job.prefetch
+    if job.sdl:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=job.workers,
+                                  persistent_workers=job.persistent, **extra)
     return DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=job.workers, persistent_workers=job.persistent,
                       **extra)
 
