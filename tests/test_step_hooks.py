@@ -61,6 +61,7 @@ KILL_CASES = {
     for kind, job, at, ckpt in (("step-trigger", dict(freq_steps=3), 4, 3),
                                 ("epoch-trigger", dict(freq_steps=None, freq_epochs=1), 7, 5))
 }
+KILL_CASES["single-process-async-step-trigger"] = Case(Job(**HOOKS, freq_steps=4, io_mode="async"), 7, 4)
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 The callback is the Lightning glue: each hook below hands over to the pipeline of
 :class:`~areal_lightning.lightning.recover_session.RecoverSession` (setup, save, resume),
 :class:`~areal_lightning.lightning.recover_state.RecoverState` (the callback state) and
-:class:`~areal_lightning.trigger.StepGate` (when to save).
+:class:`~areal_lightning.trigger.SaveSchedule` (when to save, asked at the one save point after
+each step, which the session places in Lightning's loop).
 """
 
 from __future__ import annotations

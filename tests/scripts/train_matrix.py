@@ -215,6 +215,9 @@ class CrashAt(Callback):
             return
         if self.mode == "raise":
             raise Crash(f"crash at step {self.step}")
+        for cb in trainer.callbacks:  # an async save in flight becomes durable before the kill
+            if isinstance(cb, RecoverCallback):
+                cb.wait()
         Path(f"{self.pause_file}.rank{rank()}").touch()
         time.sleep(600)  # the test kills the process group with SIGKILL
 
