@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_json  # noqa: E402
 
 from areal_lightning.capture.loader import LoaderTracker  # noqa: E402
-from areal_lightning.capture.worker_rng import raw_state  # noqa: E402
+from areal_lightning.capture.rng import raw_state  # noqa: E402
 
 
 class Augmented(Dataset):

@@ -50,7 +50,8 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks, from_saved, to_saved
+from areal_lightning.capture.rng import from_saved, to_saved
+from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks
 from areal_lightning.errors import RecoverMismatchError, start_fresh
 
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
@@ -469,13 +470,14 @@ class LoaderTracker:
         the run that saved reused its iterator, which draws no worker base seed from the
         global RNG: the new iterator draws it from a spare generator, so the sampler's order
         and the training's randomness see the same global RNG stream."""
+        index = type(loader)._areal_index
         user = loader.collate_fn, loader.worker_init_fn, loader.generator
         if self.streams_apply(loader):
-            hooks = WorkerHooks(loader.collate_fn, loader.worker_init_fn, self._initial.pop(type(loader)._areal_index, None))
+            hooks = WorkerHooks(loader.collate_fn, loader.worker_init_fn, self._initial.pop(index, None))
             loader.collate_fn, loader.worker_init_fn = hooks.collate, hooks.init
-        if type(loader)._areal_index in self._spare_base_seed:
-            self._spare_base_seed.discard(type(loader)._areal_index)
-            loader.generator = torch.Generator().manual_seed(0)  # the workers' streams are set by directives
+        if index in self._spare_base_seed:
+            self._spare_base_seed.discard(index)
+            loader.generator = torch.Generator().manual_seed(0)  # the workers' streams are set at their start
         try:
             return make()
         finally:
@@ -648,7 +650,8 @@ class LoaderTracker:
         return iterator
 
     def _arm_streams(self, loader: Any, index: int, pending: dict[str, Any]) -> None:
-        """Before a resumed iterator: check ``num_workers`` and arm the stream directives."""
+        """Before a resumed iterator: the stream state each new worker starts from (and, for
+        persistent workers, what later epochs need); a spare base seed after an epoch end."""
         if pending.get("at_boundary") and getattr(loader, "persistent_workers", False) and loader.num_workers > 0:
             self._spare_base_seed.add(index)
         workers = getattr(loader, "num_workers", 0)

@@ -32,51 +32,16 @@ with the batch's indices before fetching.
 
 from __future__ import annotations
 
-import random
 from typing import Any, Callable
 
-import numpy as np
-import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["WorkerBatch", "DirectedIndices", "WorkerHooks", "raw_state", "to_saved", "from_saved"]
+from areal_lightning.capture.rng import raw_state, set_raw_state
+
+__all__ = ["WorkerBatch", "DirectedIndices", "WorkerHooks"]
 
 _BEFORE: list[Any] = []  # in a worker: the RNG state before the batch being fetched, for its first batch
 _FIRST: list[bool] = [False]  # in a worker: no batch reported yet
-
-
-def raw_state() -> tuple[bytes, Any, Any]:
-    """This process's torch CPU, ``random`` and NumPy RNG states, cheap to pickle (no tensors:
-    they would go through shared memory)."""
-    return torch.get_rng_state().numpy().tobytes(), random.getstate(), np.random.get_state()
-
-
-def set_raw_state(state: tuple[bytes, Any, Any]) -> None:
-    """Set this process's RNGs to a :func:`raw_state`."""
-    torch_bytes, py, npst = state
-    torch.set_rng_state(torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8))
-    random.setstate(py)
-    np.random.set_state(npst)
-
-
-def to_saved(state: tuple[bytes, Any, Any]) -> dict[str, Any]:
-    """A :func:`raw_state` as checkpoint content (tensors, ints, strings; loads with ``weights_only``)."""
-    torch_bytes, (version, internal, gauss), (kind, keys, pos, has_gauss, cached) = state
-    return {"torch": torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8).clone(),
-            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                       "gauss": gauss if gauss is not None else "none"},
-            "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
-
-
-def from_saved(saved: dict[str, Any]) -> tuple[bytes, Any, Any]:
-    """The :func:`raw_state` of a :func:`to_saved` dict."""
-    py, npst = saved["python"], saved["numpy"]
-    gauss = None if py["gauss"] == "none" else py["gauss"]
-    return (saved["torch"].to(torch.uint8).cpu().numpy().tobytes(),
-            (py["version"], tuple(int(x) for x in py["state"].tolist()), gauss),
-            (npst["kind"], npst["keys"].numpy().astype(np.uint32), int(npst["pos"]), int(npst["has_gauss"]),
-             float(npst["cached_gaussian"])))
 
 
 class WorkerBatch:

@@ -48,7 +48,8 @@ SAVE_POINTS = ("step_end", "epoch_end")
 """Where the callback's saves are taken: after everything Lightning runs for a step that is not
 its epoch's last (``step_end``), or after the epoch's end as well (``epoch_end``)."""
 
-__all__ = ["SAVE_POINTS", "RecoverState", "EvaluatorPosition", "evaluator_info", "describe", "batches_done", "at_epoch_boundary", "step_info"]
+__all__ = ["SAVE_POINTS", "RecoverState", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
+           "at_epoch_boundary", "step_info"]
 
 
 def batches_done(trainer: Any) -> int:

@@ -145,26 +145,33 @@ def weights_only_refusal(state: Mapping[str, Any]) -> Refusal | None:
     would load under ``torch.load(weights_only=True)`` (with the types the user allowlisted);
     the first refused object otherwise. One pickle round trip of the skeleton: tensors are
     slots, so the cost does not grow with the model."""
+    skeleton = split(state)[SKELETON_KEY]
+    error = _weights_only_error(skeleton)
+    if error is None:
+        return None
+    reason = _reason(error)
+    return _first_refused(skeleton, ("checkpoint",), reason) or Refusal("checkpoint", "?", reason)
+
+
+def _weights_only_error(obj: Any) -> pickle.UnpicklingError | None:
+    """What ``torch.load(weights_only=True)`` of ``obj`` saved with ``torch.save`` raises
+    (tensor slots allowed), or ``None``."""
     import io
 
-    skeleton = split(state)[SKELETON_KEY]
     buffer = io.BytesIO()
-    torch.save(skeleton, buffer)
+    torch.save(obj, buffer)
     buffer.seek(0)
     try:
         with torch.serialization.safe_globals(slot_globals()):
             torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = _reason(exc)
-        return _first_refused(skeleton, ("checkpoint",), reason) or Refusal("checkpoint", "?", reason)
+        return exc
     return None
 
 
 def _first_refused(obj: Any, path: tuple[str, ...], reason: str) -> Refusal | None:
     """The first object under ``obj`` that does not load alone under ``weights_only=True``
     (containers are searched before being blamed)."""
-    import io
-
     if isinstance(obj, (TensorSlot, *_ATOMIC)):
         return None
     children: list[tuple[str, Any]] = []
@@ -177,12 +184,5 @@ def _first_refused(obj: Any, path: tuple[str, ...], reason: str) -> Refusal | No
         found = _first_refused(child, (*path, suffix), reason)
         if found is not None:
             return found
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    try:
-        with torch.serialization.safe_globals(slot_globals()):
-            torch.load(buffer, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        return Refusal("".join(path), _type_name(obj), _reason(exc))
-    return None
+    error = _weights_only_error(obj)
+    return None if error is None else Refusal("".join(path), _type_name(obj), _reason(error))
