@@ -397,13 +397,6 @@ def test_a_changed_loader_or_dataset_is_a_recover_mismatch_with_the_remedy(tmp_p
     assert ("batch_size=5" if change == "batch_size" else "ended after 3 batches") in str(info.value)
 
 
-def test_user_checkpoint_io_other_than_dcp_is_refused(tmp_path) -> None:
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
-
-    with pytest.raises(TypeError, match="DCPCheckpointIO"):
-        trainer([recover(tmp_path)], plugins=[AsyncCheckpointIO()]).fit(Net(), plain_loader())
-
-
 def test_both_callbacks_together_async(tmp_path, tokenizer) -> None:
     """HF exports and recover checkpoints share the model folder; neither cleans up the other."""
     cfg = {"fileroot": str(tmp_path), "experiment_name": "e", "trial_name": "t", "user": "u",

@@ -47,12 +47,12 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from areal_lightning.capture.rng import from_saved, to_saved
 from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks
 from areal_lightning.errors import RecoverMismatchError, start_fresh
+from areal_lightning.lightning.namespaces import fabric_classes
 
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
 
@@ -84,7 +84,7 @@ def restores_itself(loader: Any) -> bool:
     loader whose sampler is stateful or deterministic. Under DDP Lightning wraps a
     ``StatefulDataLoader``'s sampler into a ``DistributedSamplerWrapper``, whose permutation
     the loader's state does not hold; such loaders are replayed like a plain ``DataLoader``."""
-    return is_stateful_loader(loader) and not isinstance(_index_sampler(loader), DistributedSamplerWrapper)
+    return is_stateful_loader(loader) and not isinstance(_index_sampler(loader), fabric_classes("utilities.distributed.DistributedSamplerWrapper"))
 
 
 def _resumable_subclass(cls: type) -> type:

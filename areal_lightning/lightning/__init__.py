@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
-
 from areal_lightning.config import as_experiment
 from areal_lightning.lightning.hf_saver import HFSaverCallback
 from areal_lightning.lightning.recover import RecoverCallback
@@ -13,7 +11,7 @@ from areal_lightning.lightning.recover import RecoverCallback
 __all__ = ["HFSaverCallback", "RecoverCallback", "callbacks_from_config"]
 
 
-def callbacks_from_config(cfg: Any, strict: bool = True, **saver_kwargs: Any) -> list[Callback]:
+def callbacks_from_config(cfg: Any, strict: bool = True, **saver_kwargs: Any) -> list[Any]:
     """The enabled callbacks of an experiment config (YAML path, dict, dataclass or ``DictConfig``).
 
     ``HFSaverCallback`` is included when the ``saver:`` section sets a trigger
@@ -27,7 +25,7 @@ def callbacks_from_config(cfg: Any, strict: bool = True, **saver_kwargs: Any) ->
         ['HFSaverCallback']
     """
     exp = as_experiment(cfg, strict)
-    callbacks: list[Callback] = []
+    callbacks: list[Any] = []
     if exp.saver.enabled:
         callbacks.append(HFSaverCallback.from_config(exp, **saver_kwargs))
     if exp.recover.enabled:

@@ -148,9 +148,9 @@ def user_checkpoint_io(strategy: Any) -> Any:
 
 def unwrap_checkpoint_io(io: Any) -> Any:
     """``io`` without Lightning's wrappers (``AsyncCheckpointIO`` etc., ``_WrappingCheckpointIO``)."""
-    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+    from areal_lightning.lightning.namespaces import classes
 
-    while isinstance(io, _WrappingCheckpointIO):
+    while isinstance(io, classes("plugins.io.wrapper._WrappingCheckpointIO")):
         io = io.checkpoint_io
     return io
 
@@ -194,9 +194,9 @@ def redirect_logger(logger: Any, version: Any) -> None:
 def wrapped_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper``
     (``sampler.dataset._sampler``); any other sampler is returned as is."""
-    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from areal_lightning.lightning.namespaces import fabric_classes
 
-    if isinstance(sampler, DistributedSamplerWrapper):
+    if isinstance(sampler, fabric_classes("utilities.distributed.DistributedSamplerWrapper")):
         return getattr(sampler.dataset, "_sampler", sampler)
     return sampler
 
@@ -308,9 +308,9 @@ def wrap_ddp_setup_model(strategy: Any, patch: Patch, layout: Callable[[], list[
     import sys
 
     import torch.distributed as dist
-    from lightning.pytorch.strategies import DDPStrategy
+    from areal_lightning.lightning.namespaces import classes
 
-    if not isinstance(strategy, DDPStrategy):
+    if not isinstance(strategy, classes("strategies.DDPStrategy")):
         return False
     original = _require(strategy, "_setup_model", "DDPStrategy")
 

@@ -31,13 +31,15 @@ positions into ``per_rank``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 
 from areal_lightning.layout import new_token
+from areal_lightning.lightning.namespaces import classes
 from areal_lightning.lightning._internals import (
     fsdp_state_dict_type,
     saves_distributed_checkpoint,
@@ -49,10 +51,12 @@ log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["install_bridge", "is_bridged", "is_sharded", "warn_if_single_fsdp_unit", "SHARDED_STRATEGY_NAMES"]
+__all__ = ["install_bridge", "bridged", "is_bridged", "is_sharded", "warn_if_single_fsdp_unit", "SHARDED_STRATEGY_NAMES"]
 
-_SHARDED = (FSDPStrategy, ModelParallelStrategy)
-SHARDED_STRATEGY_NAMES = tuple(cls.__name__ for cls in _SHARDED)
+_FSDP = classes("strategies.FSDPStrategy")
+_MODEL_PARALLEL = classes("strategies.ModelParallelStrategy")
+_SHARDED = _FSDP + _MODEL_PARALLEL
+SHARDED_STRATEGY_NAMES = ("FSDPStrategy", "ModelParallelStrategy")
 """Class names of the sharded strategies (as recorded in ``checkpoint_info.json``)."""
 
 
@@ -104,7 +108,7 @@ def warn_if_single_fsdp_unit(strategy: Strategy) -> None:
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if not isinstance(strategy, FSDPStrategy) or not isinstance(strategy.model, FullyShardedDataParallel):
+    if not isinstance(strategy, _FSDP) or not isinstance(strategy.model, FullyShardedDataParallel):
         return
     if len(FullyShardedDataParallel.fsdp_modules(strategy.model)) == 1:
         rank_zero_warn("FSDPStrategy without auto_wrap_policy: the whole model is one FSDP unit, so every recover "
@@ -112,19 +116,61 @@ def warn_if_single_fsdp_unit(strategy: Strategy) -> None:
                        "Pass FSDPStrategy(auto_wrap_policy={YourDecoderLayer}) to unshard one layer at a time.")
 
 
+_METHODS = ("save_checkpoint", "load_checkpoint", "_areal_bridge")
+
+
+def _per_rank_settings(strategy: Strategy, quiet: bool) -> list[Callable[[], None]]:
+    """Switch FSDP / ModelParallel to per-rank (sharded) state dicts; the undo functions."""
+    undo: list[Callable[[], None]] = []
+    level = logging.DEBUG if quiet else logging.INFO
+    if isinstance(strategy, _FSDP) and fsdp_state_dict_type(strategy) != "sharded":
+        previous = fsdp_state_dict_type(strategy)
+        log.log(level, "areal_lightning: FSDPStrategy state_dict_type=%r -> 'sharded' (each rank writes its shard)",
+                previous)
+        set_fsdp_state_dict_type(strategy, "sharded")
+        undo.append(lambda: set_fsdp_state_dict_type(strategy, previous))
+    if isinstance(strategy, _MODEL_PARALLEL) and not saves_distributed_checkpoint(strategy):
+        log.log(level, "areal_lightning: ModelParallelStrategy save_distributed_checkpoint -> True "
+                "(each rank writes its shard)")
+        set_save_distributed_checkpoint(strategy, True)
+        undo.append(lambda: set_save_distributed_checkpoint(strategy, False))
+    return undo
+
+
+@contextlib.contextmanager
+def bridged(strategy: Strategy, io: Any) -> Iterator[None]:
+    """The bridge for the duration of one save or load (``RecoverCallback``'s own checkpoints
+    when the user's go through their own CheckpointIO): within, ``strategy`` saves and loads
+    as :func:`install_bridge` makes it; after, the strategy is as the user configured it
+    (their ``ModelCheckpoint`` keeps writing Lightning's files, FSDP its ``state_dict_type``).
+    A strategy already bridged (the user passed ``DCPCheckpointIO``) is left as it is."""
+    if is_bridged(strategy):
+        yield
+        return
+    prior = {name: strategy.__dict__[name] for name in _METHODS if name in strategy.__dict__}
+    undo = _per_rank_settings(strategy, quiet=True)
+    _bridge(strategy, io)
+    try:
+        yield
+    finally:
+        for name in _METHODS:
+            strategy.__dict__.pop(name, None)
+        strategy.__dict__.update(prior)
+        for fn in reversed(undo):
+            fn()
+
+
 def install_bridge(strategy: Strategy, io: Any) -> None:
     """Make ``strategy`` save and load every rank's own state through ``io`` (a
-    :class:`~areal_lightning.lightning.checkpoint_io.DCPCheckpointIO`). Idempotent; see the module doc."""
+    :class:`~areal_lightning.lightning.checkpoint_io.DCPCheckpointIO`) for the rest of its
+    life: the user's checkpoints too. Idempotent; see the module doc."""
     if strategy.__dict__.get("_areal_bridge") is io:
         return
-    if isinstance(strategy, FSDPStrategy) and fsdp_state_dict_type(strategy) != "sharded":
-        log.info("areal_lightning: FSDPStrategy state_dict_type=%r -> 'sharded' (each rank writes its shard)",
-                 fsdp_state_dict_type(strategy))
-        set_fsdp_state_dict_type(strategy, "sharded")
-    if isinstance(strategy, ModelParallelStrategy) and not saves_distributed_checkpoint(strategy):
-        log.info("areal_lightning: ModelParallelStrategy save_distributed_checkpoint -> True "
-                 "(each rank writes its shard)")
-        set_save_distributed_checkpoint(strategy, True)
+    _per_rank_settings(strategy, quiet=False)
+    _bridge(strategy, io)
+
+
+def _bridge(strategy: Strategy, io: Any) -> None:
     sharded = is_sharded(strategy)
 
     def common_path(path: PathLike, what: str, repair: bool = False) -> str:

@@ -47,8 +47,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
@@ -59,6 +58,7 @@ from areal_lightning.errors import ConfigError
 from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
 from areal_lightning.lightning.bridge import install_bridge
+from areal_lightning.lightning.namespaces import bases
 from areal_lightning.write.checksum import Written
 from areal_lightning.write.dcp import DCPEngine
 
@@ -75,7 +75,7 @@ def _async_supported() -> tuple[bool, str]:
     return True, ""
 
 
-class DCPCheckpointIO(CheckpointIO):
+class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
     """Lightning ``CheckpointIO`` storing checkpoints as DCP directories.
 
     Args:
@@ -281,7 +281,7 @@ def find_io(trainer: Trainer) -> DCPCheckpointIO | None:
     return io if isinstance(io, DCPCheckpointIO) else None
 
 
-class StagingWaitCallback(Callback):
+class StagingWaitCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     """Makes the training loop wait for async staging right before the next optimizer step
     (or, with ``before_forward=True``, before the next batch), so that
     :class:`DCPCheckpointIO` saves return without waiting for the host copy.

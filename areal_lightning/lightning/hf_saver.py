@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 
 from areal_lightning.capture.hf_weights import fsdp1_root
 from areal_lightning.collective import (
@@ -30,6 +29,7 @@ from areal_lightning.config import (
 from areal_lightning.hf_export import HFExporter, validate_method
 from areal_lightning.layout import TrialLayout
 from areal_lightning.lightning._internals import callback_state_key
+from areal_lightning.lightning.namespaces import bases
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 from areal_lightning.trigger import EpochPosition, FreqController, StepGate
 from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 ModelAttr = str | Callable[["pl.LightningModule"], Any]
 
 
-class HFSaverCallback(Callback):
+class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     """Export a ``transformers.PreTrainedModel`` held by the LightningModule, HuggingFace style.
 
     Exports land in
@@ -218,12 +218,15 @@ class HFSaverCallback(Callback):
         self.freq.start()
 
     def _resolve_mode(self, trainer: "pl.Trainer") -> str:
-        """``auto`` is async when the run checkpoints through ``DCPCheckpointIO``, else sync."""
+        """``auto`` is async when the run checkpoints through ``DCPCheckpointIO`` (the Trainer's,
+        or an enabled ``RecoverCallback``'s), else sync."""
         mode = self.config.mode
         if mode == "auto":
             from areal_lightning.lightning.checkpoint_io import find_io
+            from areal_lightning.lightning.recover import RecoverCallback
 
-            return "async" if find_io(trainer) is not None else "sync"
+            recovers = any(isinstance(cb, RecoverCallback) and cb.enabled for cb in trainer.callbacks)
+            return "async" if recovers or find_io(trainer) is not None else "sync"
         return mode
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, validate_timeout
 from areal_lightning.commit.recover_store import RecoverStore
@@ -30,6 +29,7 @@ from areal_lightning.errors import ConfigError
 from areal_lightning.layout import CHECKPOINT_INFO, TrialLayout
 from areal_lightning.lightning._internals import callback_state_key, cluster_environment
 from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
+from areal_lightning.lightning.namespaces import bases, classes
 from areal_lightning.lightning.recover_session import RecoverSession
 from areal_lightning.lightning.recover_state import RecoverState
 from areal_lightning.telemetry import Telemetry
@@ -61,7 +61,7 @@ def _warn_torchrun_shared_store() -> None:
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that every restart resumes.")
 
 
-class RecoverCallback(Callback):
+class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     """Save the full training state on triggers; resume from it automatically.
 
     With ``mode="on"``/``"auto"``, ``trainer.fit(model)`` without ``ckpt_path`` resumes
@@ -247,10 +247,8 @@ class RecoverCallback(Callback):
 
     def _watch_signals(self, trainer: "pl.Trainer") -> None:
         """Take over the preemption signals (now: Lightning registered its handlers just before)."""
-        from lightning.pytorch.plugins.environments import SLURMEnvironment
-
         env = cluster_environment(trainer)
-        if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
+        if isinstance(env, classes("plugins.environments.SLURMEnvironment")) and env.auto_requeue and env.requeue_signal is not None:
             self._requeue_signal = env.requeue_signal
             if self.preempt.signals and env.requeue_signal not in self.preempt.signals:
                 self.preempt.signals = (*self.preempt.signals, env.requeue_signal)
@@ -314,6 +312,8 @@ class RecoverCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state.load_state_dict(state_dict, self._trainer.global_rank if self._trainer is not None else 0)
+        if self._session is not None:
+            self._session.state_loaded()
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
         self.state.strip_loader_states(checkpoint)

@@ -26,16 +26,16 @@ import logging
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from areal_lightning.collective import check_shared_storage
 from areal_lightning.commit.recover_store import RecoverStore, TrialLock
 from areal_lightning.errors import CheckpointCorruptError, ConfigError, start_fresh
-from areal_lightning.layout import CHECKPOINT_INFO, STATS_LOGGER_INFO, STEP_INFO
+from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, STATS_LOGGER_INFO, STEP_INFO
 from areal_lightning.lightning._internals import (
     Patch,
     continue_after_save_point,
@@ -43,14 +43,13 @@ from areal_lightning.lightning._internals import (
     epoch_loop_ends,
     loaded_checkpoint,
     train_loaders,
-    user_checkpoint_io,
     wrap_ddp_setup_model,
     wrap_epoch_end,
     wrap_resume_start,
     wrap_step_end,
     wrap_train_dataloader,
 )
-from areal_lightning.lightning.bridge import install_bridge
+from areal_lightning.lightning.bridge import bridged, install_bridge
 from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
 from areal_lightning.lightning.recover_state import (
     RecoverState,
@@ -61,7 +60,8 @@ from areal_lightning.lightning.recover_state import (
 from areal_lightning.lightning.resume import (
     ResumePlan,
     agreed_plan,
-    continue_logger_versions,
+    continue_user_files,
+    restore_csv_logs,
 )
 from areal_lightning.telemetry import SaveReport, Telemetry
 from areal_lightning.trigger import StepInfo
@@ -82,21 +82,24 @@ def _parse_time(value: Any) -> float | None:
         return None
 
 
-def install_io(trainer: Any, io_mode: str) -> DCPCheckpointIO:
-    """The trainer's ``DCPCheckpointIO``; one is installed when the user passed no CheckpointIO."""
+def _is_dcp_dir(path: Any) -> bool:
+    """A DCP checkpoint directory (a recover checkpoint, or a copy of one): it has ``.metadata``."""
+    try:
+        return (Path(path) / COMMIT_MARKER).is_file()
+    except (TypeError, OSError):
+        return False
+
+
+def recover_io(trainer: Any, io_mode: str) -> tuple[DCPCheckpointIO, bool]:
+    """The ``DCPCheckpointIO`` the recover checkpoints go through, and whether it is the
+    Trainer's own: the user passed ``plugins=[DCPCheckpointIO()]`` (their checkpoints are DCP
+    too, and the strategy is bridged for the whole run); otherwise a private one, used only
+    for the recover checkpoints, while every other checkpoint of the run keeps the format of
+    the user's CheckpointIO (Lightning's single file by default)."""
     io = find_io(trainer)
     if io is not None:
-        return io
-    current = user_checkpoint_io(trainer.strategy)
-    if current is not None and type(current) is not TorchCheckpointIO:
-        raise TypeError(
-            f"RecoverCallback saves through DCPCheckpointIO, but the Trainer uses {type(current).__name__}; "
-            "pass plugins=[DCPCheckpointIO()] instead (or no CheckpointIO plugin and it is installed for you)"
-        )
-    io = DCPCheckpointIO(io_mode)
-    trainer.strategy.checkpoint_io = io
-    log.info("RecoverCallback: installed DCPCheckpointIO(mode=%r) as the Trainer's checkpoint_io", io_mode)
-    return io
+        return io, True
+    return DCPCheckpointIO(io_mode), False
 
 
 class RecoverSession:
@@ -121,7 +124,7 @@ class RecoverSession:
         self.collective_timeout = collective_timeout
         self._save_requested = save
         self._stop = stop
-        self.io: DCPCheckpointIO = install_io(trainer, io_mode)
+        self.io, self._trainer_io = recover_io(trainer, io_mode)
         self.plan: ResumePlan | None = None
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
         self._resuming = False
@@ -132,6 +135,7 @@ class RecoverSession:
         self._checked_loadable = False
         self._waiter = False
         self._warning_filter: tuple | None = None
+        self._io_closed = False
 
     @property
     def ranks(self) -> Any:
@@ -143,7 +147,10 @@ class RecoverSession:
     def setup(self) -> None:
         """Install the bridge, take the trial lock, check shared storage, wire auto-resume."""
         trainer = self.trainer
-        install_bridge(trainer.strategy, self.io)  # every rank writes its shard; loads reshard
+        if self._trainer_io:  # the user's checkpoints are DCP too: bridged for the whole run
+            install_bridge(trainer.strategy, self.io)
+        else:
+            self.io.enable_collective()  # every rank writes its shard (bridged for our saves and loads)
         self.io.add_staging_waiter()  # on_before_optimizer_step waits for the host copy (wait_for_staging)
         self._waiter = True
         self.ranks.configure(self.collective_timeout)
@@ -175,6 +182,12 @@ class RecoverSession:
             getattr(warnings, "_filters_mutated", lambda: None)()  # invalidate CPython's warning caches
         self._warning_filter = None
         self.state.tracker.untrack()
+        if not self._trainer_io and not self._io_closed:
+            self._io_closed = True
+            try:  # the private IO: its staging buffers and process groups (a failure was raised by settle())
+                self.io.teardown()
+            except BaseException as exc:  # noqa: BLE001 - close runs in teardown and after an error
+                log.error("RecoverCallback: closing the recover checkpoint IO: %s", exc)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -187,18 +200,22 @@ class RecoverSession:
         def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
             if checkpoint_path is not None:
                 log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
-                return original(checkpoint_path, weights_only)
+                if not _is_dcp_dir(checkpoint_path):  # the user's own checkpoint: their CheckpointIO
+                    return original(checkpoint_path, weights_only)
+                with bridged(trainer.strategy, self.io):  # a recover checkpoint (or a copy of one)
+                    return original(checkpoint_path, weights_only)
             plan = self.plan = agreed_plan(self.store, self.experiment, trainer, self.ranks)
             if plan is None:
                 return original(None, weights_only)
             ckpt = plan.info[CHECKPOINT_INFO]
-            continue_logger_versions(trainer, plan.info[STATS_LOGGER_INFO], ckpt["global_step"])
+            continue_user_files(trainer, plan.info[STATS_LOGGER_INFO], ckpt["global_step"])
             self._resuming = True
             self.last_durable = _parse_time(ckpt.get("commit_time"))
             # The non-tensor state is unpickled with weights_only=True unless the user opted out
             # (hyper-parameters holding arbitrary objects; see the README's security note).
             try:
-                original(str(plan.path), self.weights_only)
+                with bridged(trainer.strategy, self.io):
+                    original(str(plan.path), self.weights_only)
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
             loaded = loaded_checkpoint(trainer).get("global_step")
@@ -214,6 +231,13 @@ class RecoverSession:
                      read.verified if read else 0, read.verify_s if read else 0.0)
 
         return resume_start
+
+    def state_loaded(self) -> None:
+        """The callback state of the checkpoint is loaded: an automatic resume writes back the
+        CSV loggers' rows up to the checkpoint (Lightning's writer deleted them at setup)."""
+        if self._resuming:
+            restore_csv_logs(self.trainer, self.state.csv_logs)
+        self.state.csv_logs = {}
 
     # -- the save point ------------------------------------------------------------------
 
@@ -345,7 +369,7 @@ class RecoverSession:
         if self.weights_only and not self._checked_loadable:
             target.check = self._check_loadable
         point = self._point
-        with self.state.saving(trainer, boundary, self.ranks, point):
+        with self.state.saving(trainer, boundary, self.ranks, point), bridged(trainer.strategy, self.io):
             trainer.save_checkpoint(self.store.ckpt_dir, weights_only=False, storage_options=target)
         if point is not None and engine.in_flight is not None:
             self.wait_for_staging()

@@ -41,7 +41,7 @@ from areal_lightning.lightning._internals import (
     train_loaders,
     wrapped_sampler,
 )
-from areal_lightning.lightning.resume import strategy_family
+from areal_lightning.lightning.resume import checkpoint_files, csv_snapshots, strategy_family
 from areal_lightning.trigger import EpochPosition, FreqController, StepInfo
 
 SAVE_POINTS = ("step_end", "epoch_end")
@@ -88,6 +88,7 @@ class RecoverState:
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
         self._boundary_rng_applied = False
         self.pending_epoch_metrics: dict[str, Any] = {}  # saved epoch aggregates not yet folded in
+        self.csv_logs: dict[str, Any] = {}  # CSVLogger files of the checkpoint loaded (rank 0's)
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -117,6 +118,9 @@ class RecoverState:
         if layout is not None:
             state["ddp_buckets"] = layout
         state["rng"] = capture_rng()
+        csv_logs = csv_snapshots(trainer)  # rank 0 (whose callback state is the one saved)
+        if csv_logs:
+            state["csv_logs"] = csv_logs
         state["data"] = self.tracker.state_dict(batches_done(trainer), boundary, prefetched_batches(trainer))
         # Mid-epoch: the epoch aggregates of values logged with on_epoch=True so far.
         state["epoch_metrics"] = {} if boundary else train_epoch_metrics(trainer)
@@ -186,6 +190,7 @@ class RecoverState:
         self.resume_point = state.get("save_point")
         self.ddp_buckets = state.get("ddp_buckets")
         self._pending_stop = bool(state.get("should_stop", False))
+        self.csv_logs = state.get("csv_logs") or {}
         state = self.own_rank_state(state, rank)
         if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
             data, self._remapped = self._remapped or state["data"], None
@@ -297,7 +302,8 @@ def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str 
         EVALUATOR_INFO: evaluator_info(trainer, state.evaluator),
         STATS_LOGGER_INFO: {"loggers": [
             {"class": type(lg).__name__, "name": lg.name, "version": lg.version,
-             "save_dir": str(lg.save_dir) if lg.save_dir else None} for lg in trainer.loggers]},
+             "save_dir": str(lg.save_dir) if lg.save_dir else None} for lg in trainer.loggers],
+            "checkpoint_files": checkpoint_files(trainer)},
         DATALOADER_INFO: {"epoch": state.position.epoch, "batches_done": batches_done(trainer),
                           "at_epoch_boundary": boundary, "loaders": loaders},
         CHECKPOINT_INFO: {

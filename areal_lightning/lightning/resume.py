@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from areal_lightning.errors import RecoverMismatchError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO
 from areal_lightning.lightning._internals import can_redirect_logger, redirect_logger
 from areal_lightning.lightning.bridge import SHARDED_STRATEGY_NAMES, is_sharded
+from areal_lightning.lightning.namespaces import classes
 
-__all__ = ["ResumePlan", "plan_resume", "agreed_plan", "continue_logger_versions", "strategy_family"]
+__all__ = ["ResumePlan", "plan_resume", "agreed_plan", "continue_user_files", "csv_snapshots", "restore_csv_logs", "checkpoint_files",
+           "model_checkpoints", "strategy_family"]
 
 log = logging.getLogger(__name__)
 
@@ -105,53 +108,148 @@ def agreed_plan(store: RecoverStore, experiment: ExperimentConfig, trainer: Any,
     return outcome[1]
 
 
-def _keep_csv_rows(logger: Any, steps_done: int) -> None:
-    """A CSVLogger's writer deletes ``metrics.csv`` when it opens a version folder: keep the
-    rows the interrupted run flushed up to the checkpoint (later steps are trained again)."""
-    from lightning.pytorch.loggers import CSVLogger
+def csv_snapshots(trainer: Any) -> dict[str, dict[str, Any]]:
+    """Rank 0, in a recover save: each ``CSVLogger``'s ``metrics.csv`` as of now (its buffered
+    rows flushed first), by logger index. Lightning's CSV writer deletes the file when a start
+    opens the version folder, before any callback runs: the resume writes this text back."""
+    snapshots: dict[str, dict[str, Any]] = {}
+    if not trainer.is_global_zero:
+        return snapshots
+    for index, logger in enumerate(trainer.loggers):
+        if not isinstance(logger, classes("loggers.CSVLogger")):
+            continue
+        logger.save()
+        path = Path(logger.experiment.metrics_file_path)
+        text = path.read_text() if path.is_file() else ""
+        snapshots[str(index)] = {"text": text, "keys": list(logger.experiment.metrics_keys)}
+    return snapshots
 
-    if not isinstance(logger, CSVLogger):
+
+def restore_csv_logs(trainer: Any, snapshots: dict[str, dict[str, Any]]) -> None:
+    """Rank 0, on a resume: write back each ``CSVLogger``'s rows up to the checkpoint (also
+    under a version the user fixed); the steps after it log theirs again, once."""
+    if not trainer.is_global_zero:
         return
-    path = Path(logger.log_dir) / "metrics.csv"
-    if not path.is_file():
+    for index, snap in snapshots.items():
+        i = int(index)
+        if i >= len(trainer.loggers) or not isinstance(trainer.loggers[i], classes("loggers.CSVLogger")):
+            continue
+        writer = trainer.loggers[i].experiment  # (re)opened for the continued version
+        path = Path(writer.metrics_file_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(snap["text"])
+        writer.metrics_keys = list(snap["keys"]) + [k for k in writer.metrics_keys if k not in snap["keys"]]
+        log.info("RecoverCallback: %s continues %s with its %d rows up to the checkpoint",
+                 type(trainer.loggers[i]).__name__, path, max(0, snap["text"].count("\n") - 1))
+
+
+def _checkpoint_dir_of_logger(trainer: Any) -> str | None:
+    """Where a ``ModelCheckpoint`` without ``dirpath`` writes (Lightning's rule: the first
+    logger's ``save_dir/name/version/checkpoints``)."""
+    if not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    return os.path.normpath(os.path.join(save_dir, str(logger.name), version, "checkpoints"))
+
+
+def model_checkpoints(trainer: Any) -> list[Any]:
+    """The Trainer's ``ModelCheckpoint`` callbacks (either namespace) that have a folder."""
+    return [cb for cb in trainer.callbacks
+            if isinstance(cb, classes("callbacks.ModelCheckpoint")) and getattr(cb, "dirpath", None)]
+
+
+def checkpoint_files(trainer: Any) -> dict[str, list[str]]:
+    """The files in each ``ModelCheckpoint``'s folder now (recorded with a recover checkpoint:
+    files that appear after it were written by steps a resume trains again)."""
+    listed: dict[str, list[str]] = {}
+    for cb in model_checkpoints(trainer):
+        folder = os.path.normpath(str(cb.dirpath))
+        try:
+            listed[folder] = sorted(name for name in os.listdir(folder) if name.endswith(cb.FILE_EXTENSION))
+        except OSError:  # not created yet (nothing saved): no file is from before the checkpoint
+            listed[folder] = []
+    return listed
+
+
+def _config_files(trainer: Any) -> list[str]:
+    """The config file names of LightningCLI's ``SaveConfigCallback`` (either namespace)."""
+    return [cb.config_filename for cb in trainer.callbacks
+            if isinstance(cb, classes("cli.SaveConfigCallback")) and getattr(cb, "save_to_log_dir", False)]
+
+
+def _move_config(new_dir: Path, old_dir: Path, name: str, steps_done: int) -> None:
+    """LightningCLI wrote this start's config into the new version folder: keep it in the
+    continued one (the same config is kept once; a changed one beside the first)."""
+    new, old = new_dir / name, old_dir / name
+    if not new.is_file():
         return
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        keys = list(reader.fieldnames or [])
-        rows = []
-        for row in reader:
-            try:
-                if int(float(row.get("step") or 0)) >= steps_done:
-                    continue
-            except ValueError:
-                pass
-            rows.append({k: v for k, v in row.items() if v not in ("", None)})  # the text as written
-    writer = logger.experiment  # creating it removes the file; its rows are written back on save
-    writer.metrics = rows + writer.metrics
-    writer.metrics_keys = keys + [k for k in writer.metrics_keys if k not in keys]
+    if not old.is_file():
+        shutil.move(str(new), str(old))
+    elif old.read_bytes() != new.read_bytes():
+        beside = old.with_name(f"{old.stem}.resumed-step{steps_done}{old.suffix}")
+        shutil.move(str(new), str(beside))
+        log.warning("RecoverCallback: this start's config differs from the interrupted run's %s; kept as %s",
+                    old, beside)
 
 
-def continue_logger_versions(trainer: Any, saved: dict[str, Any], steps_done: int) -> None:
-    """Point each logger back at the version the checkpointed run logged into.
+def _remove_later_checkpoints(saved: dict[str, list[str]], trainer: Any) -> None:
+    """Files in a ``ModelCheckpoint`` folder that were not there at the recover checkpoint were
+    written by the steps after it, which are trained again and write them again (left in
+    place, Lightning would name the new ones ``-v1`` and never delete the old ones)."""
+    for cb in model_checkpoints(trainer):
+        folder = os.path.normpath(str(cb.dirpath))
+        if folder not in saved or not os.path.isdir(folder):
+            continue
+        before = set(saved[folder])
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(cb.FILE_EXTENSION) and name not in before:
+                path = os.path.join(folder, name)
+                (shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.remove)(path)
+                log.info("RecoverCallback: removed %s, written after the recover checkpoint by a step that is "
+                         "trained again", path)
 
-    Lightning creates the loggers' experiments (and a new ``version_N`` folder) before
-    any callback's ``setup``; when that new folder holds nothing yet, the logger is
-    redirected to the saved version and the empty folder removed. A version that
-    already holds data (e.g. one the user fixed) is left alone.
+
+def continue_user_files(trainer: Any, saved: dict[str, Any], steps_done: int) -> None:
+    """Continue the user's logs and checkpoints where the checkpointed run left them.
+
+    * Loggers: Lightning opens a new ``version_N`` before any callback's ``setup``; when that
+      folder holds nothing of value yet (small event files, LightningCLI's config), the logger
+      is redirected to the saved version and the new folder removed. A version that already
+      holds data is left alone.
+    * ``ModelCheckpoint``: a folder taken from the logger's version follows the redirect (so
+      its top-k / last / best bookkeeping is restored with it); files written after the
+      checkpoint are removed (the steps that wrote them are trained again).
+    (``CSVLogger`` rows: :func:`restore_csv_logs`, once the callback state is loaded.)
     """
+    before = _checkpoint_dir_of_logger(trainer)
     for logger, entry in zip(trainer.loggers, saved.get("loggers", [])):
         if type(logger).__name__ != entry.get("class") or logger.name != entry.get("name"):
             continue
-        if not can_redirect_logger(logger) or logger.version == entry["version"]:
-            continue
-        new_dir = Path(logger.log_dir)
-        leftovers = [p for p in new_dir.rglob("*") if p.is_file()] if new_dir.is_dir() else []
-        if any(not p.name.startswith("events.out.tfevents") or p.stat().st_size > 1024 for p in leftovers):
-            continue
-        redirect_logger(logger, entry["version"])
-        if not trainer.is_global_zero:
-            continue  # loggers write on rank 0 only (elsewhere their experiment is a dummy)
+        if can_redirect_logger(logger) and logger.version != entry["version"]:
+            _redirect(trainer, logger, entry["version"], steps_done)
+    after = _checkpoint_dir_of_logger(trainer)
+    if before != after:
+        for cb in model_checkpoints(trainer):
+            if os.path.normpath(str(cb.dirpath)) == before:
+                cb.dirpath = after
+    if trainer.is_global_zero and "checkpoint_files" in saved:
+        _remove_later_checkpoints(saved["checkpoint_files"], trainer)
+
+
+def _redirect(trainer: Any, logger: Any, version: Any, steps_done: int) -> None:
+    new_dir = Path(logger.log_dir)
+    configs = _config_files(trainer)
+    leftovers = [p for p in new_dir.rglob("*") if p.is_file()] if new_dir.is_dir() else []
+    if any(not (p.name.startswith("events.out.tfevents") and p.stat().st_size <= 1024)
+           and not (p.parent == new_dir and p.name in configs) for p in leftovers):
+        return
+    redirect_logger(logger, version)
+    if trainer.is_global_zero:  # loggers write on rank 0 only (elsewhere their experiment is a dummy)
+        old_dir = Path(logger.log_dir)
+        for name in configs:
+            _move_config(new_dir, old_dir, name, steps_done)
         if new_dir.is_dir():
             shutil.rmtree(new_dir, ignore_errors=True)
-        _keep_csv_rows(logger, steps_done)
-        log.info("RecoverCallback: %s continues logging into version %s", type(logger).__name__, entry["version"])
+    log.info("RecoverCallback: %s continues logging into version %s", type(logger).__name__, version)
