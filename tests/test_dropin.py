@@ -145,17 +145,19 @@ def lightning_classes(namespace: str):
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
-            self.losses: dict[int, str] = {}
+            self.losses: dict[tuple[int, int], str] = {}  # by (epoch, batch)
 
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = torch.nn.functional.mse_loss(self.net(x), y)
-            self.losses[self.trainer.global_step] = loss.item().hex()
+            self.losses[(self.current_epoch, batch_idx)] = loss.item().hex()
             self.log("loss", loss)
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.01)
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def loader():
         g = torch.Generator().manual_seed(3)
@@ -170,7 +172,7 @@ class Crash(Exception):
 
 
 def fit(namespace: str, root: Path, crash_at: int | None = None, plugins: list | None = None,
-        extra: list | None = None):
+        extra: list | None = None, max_epochs: int = 2, logger: object = False):
     from areal_lightning import RecoverCallback
 
     pl, Net, loader = lightning_classes(namespace)
@@ -183,7 +185,7 @@ def fit(namespace: str, root: Path, crash_at: int | None = None, plugins: list |
     pl.seed_everything(0, verbose=False)
     module = Net()
     recover = RecoverCallback(fileroot=root / "ckpt", experiment_name="e", trial_name="t", user="u", freq_steps=4)
-    trainer = pl.Trainer(default_root_dir=root, max_epochs=2, accelerator="cpu", devices=1, logger=False,
+    trainer = pl.Trainer(default_root_dir=root, max_epochs=max_epochs, accelerator="cpu", devices=1, logger=logger,
                          enable_progress_bar=False, enable_model_summary=False, plugins=plugins or [],
                          callbacks=[recover, CrashAt(), *(extra or [])])
     if crash_at is None:
@@ -214,7 +216,7 @@ def test_either_namespace_with_any_checkpoint_io(tmp_path, namespace, io) -> Non
     _, want = fit(namespace, tmp_path / "ref", plugins=plugins(), extra=user_ckpt("ref_user"))
     fit(namespace, tmp_path / "run", crash_at=7, plugins=plugins(), extra=user_ckpt())
     trainer, got = fit(namespace, tmp_path / "run", plugins=plugins(), extra=user_ckpt())
-    assert got.losses == {s: v for s, v in want.losses.items() if s >= 4}  # resumed after the save of step 4
+    assert got.losses == {k: v for k, v in want.losses.items() if k >= (0, 4)}  # resumed after the save of step 4
     last = tmp_path / "user" / "last.ckpt"
     assert last.is_dir() == (io == "dcp")  # DCP only where the user passed DCPCheckpointIO
     assert sorted(p.name for p in last.parent.iterdir()) == sorted(p.name for p in (tmp_path / "ref_user").iterdir())
@@ -241,4 +243,143 @@ def test_a_user_checkpoint_resumes_with_fit_ckpt_path(tmp_path) -> None:
                       callbacks=[RecoverCallback(fileroot=tmp_path / "b", experiment_name="e", trial_name="t")])
     module = Net()
     more.fit(module, loader(), ckpt_path=tmp_path / "mine.ckpt")
-    assert min(module.losses) == 20 and more.global_step == 30
+    assert min(module.losses) == (2, 0) and more.global_step == 30
+
+
+# -- LightningCLI ---------------------------------------------------------------------------------
+
+CLI_CONFIG = """\
+seed_everything: 0
+trainer:
+  max_epochs: 3
+  default_root_dir: .
+  log_every_n_steps: 1
+  accelerator: cpu
+  devices: 1
+  enable_progress_bar: false
+  callbacks:
+    - class_path: areal_lightning.RecoverCallback
+      init_args:
+        fileroot: ckpt
+        experiment_name: cli
+        trial_name: t0
+        freq_steps: 5
+model:
+  lr: 0.01
+"""
+
+CLI_ARGS = ["--seed_everything", "0", "--trainer.max_epochs", "3", "--trainer.default_root_dir", ".",
+            "--trainer.log_every_n_steps", "1", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+            "--trainer.enable_progress_bar", "false",
+            "--trainer.callbacks+=areal_lightning.RecoverCallback", "--trainer.callbacks.fileroot", "ckpt",
+            "--trainer.callbacks.experiment_name", "cli", "--trainer.callbacks.trial_name", "t0",
+            "--trainer.callbacks.freq_steps", "5"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("namespace", "given"), [("lightning.pytorch", "yaml"), ("pytorch_lightning", "command line")])
+def test_lightning_cli_rerun_of_the_same_command_continues(tmp_path, namespace, given) -> None:
+    """``fit --config cfg.yaml`` (callbacks by ``class_path``) or the callback given on the command
+    line: SIGKILLed mid-epoch, the same command continues bit for bit, in the same version
+    folder with the same ``config.yaml`` and checkpoint files."""
+    def args(root: Path) -> list[str]:
+        if given == "yaml":
+            (root / "cfg.yaml").write_text(CLI_CONFIG)
+            return ["fit", "--config", "cfg.yaml"]
+        return ["fit", *CLI_ARGS]
+
+    ref, run, output = interrupted_and_rerun(args, tmp_path, namespace, kill_at=19)
+    assert "dirpath has changed" not in output
+    got = tree(run / "lightning_logs")
+    assert got == tree(ref / "lightning_logs")
+    assert "version_0/config.yaml" in got and "areal_lightning.RecoverCallback" in got["version_0/config.yaml"]
+    load_user_checkpoint(run / "lightning_logs" / "version_0" / "checkpoints" / "epoch=2-step=36.ckpt")
+
+
+def test_lightning_cli_help_documents_the_callbacks(tmp_path) -> None:
+    """``--trainer.callbacks.help areal_lightning.RecoverCallback`` lists every argument with its doc."""
+    for name, expect in [("RecoverCallback", ["fileroot", "the trial's folder", "freq_steps", "io_mode"]),
+                         ("HFSaverCallback", ["fileroot", "model_attr", "max_keep"])]:
+        out = subprocess.run([sys.executable, str(SCRIPT), "fit", "--trainer.callbacks.help",
+                              f"areal_lightning.{name}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr[-2000:]
+        for word in expect:
+            assert word in out.stdout, (name, word)
+
+
+# -- Lightning's own callbacks beside ours ------------------------------------------------------
+
+BUILTINS = {
+    "early_stopping": lambda c: c.EarlyStopping(monitor="loss", patience=1, min_delta=10.0,
+                                                check_on_train_epoch_end=True),
+    "lr_monitor": lambda c: c.LearningRateMonitor(logging_interval="step"),
+    "timer": lambda c: c.Timer(duration="00:01:00:00"),
+    "swa": lambda c: c.StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1),
+    "ema": lambda c: c.EMAWeightAveraging(decay=0.9),
+    "accumulation": lambda c: c.GradientAccumulationScheduler({0: 1, 1: 2}),
+    "model_checkpoint": lambda c: c.ModelCheckpoint(monitor="loss", save_top_k=2, save_last=True,
+                                                    every_n_train_steps=3),
+}
+
+
+def same(a: object, b: object) -> bool:
+    """Equal states, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+CASES = [(name, 13) for name in sorted(BUILTINS)] + [("swa", 22), ("swa", 25)]
+
+
+@pytest.mark.parametrize(("name", "crash_at"), CASES)
+def test_lightning_callbacks_beside_ours_resume_exactly(tmp_path, name, crash_at) -> None:
+    """Each of Lightning's stateful callbacks beside RecoverCallback: a crash (mid-epoch 1; for
+    SWA also after epoch 1's end and mid-epoch 2) and the rerun give the uninterrupted run's
+    losses, weights, logged rows and callback state (the Timer's elapsed time continues from the
+    checkpoint's)."""
+    pl, _, _ = lightning_classes("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger
+
+    class TimerSpy(pl.callbacks.Callback):
+        """The Timer's saved elapsed time, and what the Timer says when training starts again."""
+
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            timer = next(cb for cb in trainer.callbacks if isinstance(cb, pl.callbacks.Timer))
+            self.saved = checkpoint["callbacks"][timer.state_key]["time_elapsed"]["train"]
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            timer = next(cb for cb in trainer.callbacks if isinstance(cb, pl.callbacks.Timer))
+            self.at_start = timer.time_elapsed("train")
+
+    def run(root: Path, crash: int | None = None):
+        made = BUILTINS[name](pl.callbacks)
+        spy = TimerSpy() if name == "timer" else pl.callbacks.Callback()
+        logger = CSVLogger(root, name="logs", version="fixed")
+        trainer, module = fit("lightning.pytorch", root, crash_at=crash, extra=[made, spy], max_epochs=3,
+                              logger=logger)
+        return trainer, module, made, spy
+
+    _, want, ref_cb, _ = run(tmp_path / "ref")
+    run(tmp_path / "run", crash=crash_at)
+    trainer, got, cb, spy = run(tmp_path / "run")
+    assert got.losses == {k: v for k, v in want.losses.items() if k >= min(got.losses)}
+    assert min(got.losses) > (0, 0)  # it resumed
+    assert same(got.state_dict(), want.state_dict())
+    if name == "timer":
+        assert spy.saved > 0 and spy.at_start >= spy.saved  # continued from the checkpoint's elapsed time
+    elif name == "model_checkpoint":
+        def strip(state: dict) -> dict:
+            return {k: (os.path.basename(v) if isinstance(v, str) else v) for k, v in state.items()
+                    if k not in ("dirpath", "best_k_models")}
+        assert same(strip(cb.state_dict()), strip(ref_cb.state_dict()))
+        assert sorted(os.listdir(cb.dirpath)) == sorted(os.listdir(ref_cb.dirpath))
+    else:
+        assert same(cb.state_dict(), ref_cb.state_dict())
+    assert csv_rows(tmp_path / "run" / "logs" / "fixed" / "metrics.csv") == \
+        csv_rows(tmp_path / "ref" / "logs" / "fixed" / "metrics.csv")

@@ -68,10 +68,15 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     a failure on any rank is raised on every rank.
 
     Args:
-        fileroot, experiment_name, trial_name, user: where the trial lives (``user=None``: OS user).
+        fileroot: the root folder of all checkpoints (``{fileroot}/checkpoints/{user}/...``).
+        experiment_name: the experiment's folder under ``fileroot``.
+        trial_name: the trial's folder under the experiment.
+        user: the user folder (``None``: the OS user).
         name: the model's folder name (one callback per exported model, e.g. ``"critic"``).
         mode: ``"auto"``, ``"sync"`` or ``"async"``.
-        freq_epochs, freq_steps, freq_secs: triggers; any enabled one fires a save.
+        freq_epochs: export every N epochs (any enabled trigger fires an export).
+        freq_steps: export every N optimizer steps.
+        freq_secs: export when N seconds passed since the last export.
         max_keep: keep only the newest N exports of this model (``None``: keep all).
         model_attr: attribute name (dots allowed) of the LightningModule holding the
             ``PreTrainedModel``, or a callable ``module -> PreTrainedModel``.

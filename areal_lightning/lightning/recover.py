@@ -71,18 +71,29 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     and the logger's state, so the resumed run's losses equal an uninterrupted run's.
     ``"off"``/``"disabled"`` neither save nor resume.
 
-    Checkpoints are DCP directories written through :class:`DCPCheckpointIO` (installed
-    when the Trainer has no CheckpointIO plugin). One is kept; the next is written beside
-    it and swapped in atomically together with ``recover_info/``.
+    Recover checkpoints are DCP directories written through a :class:`DCPCheckpointIO` of
+    their own (the Trainer's, when the user passed one as a plugin); every other checkpoint of
+    the run (``ModelCheckpoint``, ``trainer.save_checkpoint``) keeps the format of the
+    Trainer's CheckpointIO. One recover checkpoint is kept; the next is written beside it and
+    swapped in atomically together with ``recover_info/``. A resume continues the user's
+    logger versions, ``ModelCheckpoint`` folders and bookkeeping, and CSV rows where the
+    checkpoint left them. Works under ``lightning.pytorch`` and ``pytorch_lightning`` alike,
+    and from LightningCLI (``class_path: areal_lightning.RecoverCallback``).
 
     Args:
-        fileroot, experiment_name, trial_name, user: where the trial lives.
-        mode: ``on``, ``auto``, ``off`` or ``disabled``.
-        freq_epochs, freq_steps, freq_secs: triggers (any fires).
+        fileroot: the root folder of all checkpoints (``{fileroot}/checkpoints/{user}/...``).
+        experiment_name: the experiment's folder under ``fileroot``.
+        trial_name: the trial's folder under the experiment: a rerun with the same names resumes.
+        user: the user folder (``None``: the OS user).
+        mode: ``on``, ``auto`` (both save and resume), ``off`` or ``disabled`` (neither).
+        freq_epochs: save every N epochs (any enabled trigger fires a save).
+        freq_steps: save every N optimizer steps.
+        freq_secs: save when N seconds passed since the last save.
         retries: used by ``areal-lightning run`` (re-runs of a failed command).
         on_resume: ``fn(trainer, module, step_info)`` called once after a resume
             (also the LightningModule's ``on_resume(trainer, step_info)`` if defined).
-        io_mode: mode of the installed ``DCPCheckpointIO`` (``auto``, ``sync``, ``async``).
+        io_mode: ``auto``, ``sync`` or ``async``: how the recover checkpoints are written (when
+            the user passed a ``DCPCheckpointIO`` plugin, its mode is used).
         name: the model folder holding ``recover_checkpoint/``.
         collective_timeout: seconds any checkpoint collective waits for the other ranks
             (setup checks, the agreement before each save, DCP's exchanges) before every
@@ -230,6 +241,10 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.state.position.epoch_started(trainer)
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        self.state.restore_accumulation(trainer)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         """An async save may still copy the weights: wait before the optimizer changes them."""

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from areal_lightning.collective import check_shared_storage
 from areal_lightning.commit.recover_store import RecoverStore, TrialLock
 from areal_lightning.errors import CheckpointCorruptError, ConfigError, start_fresh
-from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, STATS_LOGGER_INFO, STEP_INFO
+from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, DATALOADER_INFO, STATS_LOGGER_INFO, STEP_INFO
 from areal_lightning.lightning._internals import (
     Patch,
     continue_after_save_point,
@@ -50,6 +50,7 @@ from areal_lightning.lightning._internals import (
     wrap_train_dataloader,
 )
 from areal_lightning.lightning.bridge import bridged, install_bridge
+from areal_lightning.lightning.builtin_resume import resume_swa, started_swa
 from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
 from areal_lightning.lightning.recover_state import (
     RecoverState,
@@ -136,6 +137,7 @@ class RecoverSession:
         self._waiter = False
         self._warning_filter: tuple | None = None
         self._io_closed = False
+        self._swa: list[Any] = []  # SWA callbacks started before the checkpoint loaded
 
     @property
     def ranks(self) -> Any:
@@ -218,6 +220,7 @@ class RecoverSession:
                     original(str(plan.path), self.weights_only)
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
+            self._swa = started_swa(trainer, loaded_checkpoint(trainer))
             loaded = loaded_checkpoint(trainer).get("global_step")
             if loaded != ckpt["global_step"]:
                 raise CheckpointCorruptError(
@@ -305,6 +308,9 @@ class RecoverSession:
             # plain DataLoader "is not resumable" does not apply to this run.
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
             self._warning_filter = warnings.filters[0]
+        if self._swa and self.plan is not None and not self.plan.info[DATALOADER_INFO].get("at_epoch_boundary"):
+            resume_swa(trainer, pl_module, self._swa)  # its epoch-start hook, which Lightning skips mid-epoch
+        self._swa = []
         if self.plan is not None and self._resuming:
             step = StepInfo(**{k: v for k, v in self.plan.info[STEP_INFO].items() if k != "next"})
         else:

@@ -84,6 +84,7 @@ class RecoverState:
         self.resume_point: str | None = None  # the save point of the checkpoint loaded (SAVE_POINTS)
         self.ddp_buckets: list[list[int]] | None = None  # DDP's gradient buckets in the checkpoint loaded
         self._pending_stop = False
+        self._pending_accumulate: int | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
         self._boundary_rng_applied = False
@@ -114,6 +115,9 @@ class RecoverState:
         if point is not None:
             state["save_point"] = point
             state["should_stop"] = bool(trainer.should_stop)
+        # Set by the epoch's on_train_epoch_start hooks (GradientAccumulationScheduler), which a
+        # mid-epoch resume does not run again.
+        state["accumulate_grad_batches"] = int(trainer.accumulate_grad_batches)
         layout = ddp_bucket_layout(trainer.strategy.model)  # every rank: it may rebuild DDP's buckets
         if layout is not None:
             state["ddp_buckets"] = layout
@@ -190,6 +194,7 @@ class RecoverState:
         self.resume_point = state.get("save_point")
         self.ddp_buckets = state.get("ddp_buckets")
         self._pending_stop = bool(state.get("should_stop", False))
+        self._pending_accumulate = state.get("accumulate_grad_batches")
         self.csv_logs = state.get("csv_logs") or {}
         state = self.own_rank_state(state, rank)
         if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
@@ -213,6 +218,16 @@ class RecoverState:
             rng = {**rng, "torch": torch.get_rng_state()}
         restore_rng(rng)
         return True
+
+
+    def restore_accumulation(self, trainer: Any) -> None:
+        """At the first batch of a resume into the middle of an epoch: the gradient accumulation
+        the epoch's ``on_train_epoch_start`` hooks had set (``GradientAccumulationScheduler``;
+        Lightning does not run them again mid-epoch, and the scheduler's own ``on_train_start``
+        requires the Trainer's value untouched until then)."""
+        pending, self._pending_accumulate = self._pending_accumulate, None
+        if pending is not None and not self._boundary_rng_applied:
+            trainer.accumulate_grad_batches = int(pending)
 
 
 class EvaluatorPosition:

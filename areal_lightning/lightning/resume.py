@@ -151,7 +151,7 @@ def _checkpoint_dir_of_logger(trainer: Any) -> str | None:
     logger = trainer.loggers[0]
     save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
     version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    return os.path.normpath(os.path.join(save_dir, str(logger.name), version, "checkpoints"))
+    return os.path.join(save_dir, str(logger.name), version, "checkpoints")  # as Lightning joins it
 
 
 def model_checkpoints(trainer: Any) -> list[Any]:
@@ -230,10 +230,10 @@ def continue_user_files(trainer: Any, saved: dict[str, Any], steps_done: int) ->
         if can_redirect_logger(logger) and logger.version != entry["version"]:
             _redirect(trainer, logger, entry["version"], steps_done)
     after = _checkpoint_dir_of_logger(trainer)
-    if before != after:
+    if before is not None and after is not None and before != after:
         for cb in model_checkpoints(trainer):
-            if os.path.normpath(str(cb.dirpath)) == before:
-                cb.dirpath = after
+            if os.path.normpath(str(cb.dirpath)) == os.path.normpath(before):
+                cb.dirpath = after  # the string Lightning resolves (its saved dirpath is compared as such)
     if trainer.is_global_zero and "checkpoint_files" in saved:
         _remove_later_checkpoints(saved["checkpoint_files"], trainer)
 
