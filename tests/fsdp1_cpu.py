@@ -9,10 +9,16 @@ CI. Not part of the public API: on GPUs users write ``strategy="fsdp"``.
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch.distributed.fsdp import FullyShardedDataParallel
+
+# The namespace of the script's Trainer ($AREAL_NAMESPACE: lightning.pytorch or pytorch_lightning).
+_fsdp = importlib.import_module(os.environ.get("AREAL_NAMESPACE", "lightning.pytorch") + ".strategies.fsdp")
+FSDPStrategy = _fsdp.FSDPStrategy
+_setup_activation_checkpointing = _fsdp._setup_activation_checkpointing
 
 
 class CPUFSDPStrategy(FSDPStrategy):

@@ -65,6 +65,9 @@ DIST_CASES = {
         ("--strategy", "fsdp2", "--loader", "stateful", "--workers", "1", "--freq-steps", "6", "--epochs", "2"), 8),
     "ddp-async-stateful-loader-mid-epoch": (
         ("--strategy", "ddp", "--io-mode", "async", "--loader", "stateful", "--freq-steps", "2", "--epochs", "2"), 5),
+    "pytorch-lightning-ddp-async-mid-epoch": (
+        ("--namespace", "pytorch_lightning", "--strategy", "ddp", "--io-mode", "async", "--freq-steps", "2",
+         "--epochs", "2"), 5),
     # 4 ranks: 3 steps per epoch and rank. With 2 ranks every all-reduce is a + b, whatever its
     # order; with 4 the resumed process must reduce in the uninterrupted one's order (DDP's
     # gradient buckets as rebuilt after its first iteration).

@@ -105,22 +105,26 @@ def reference(tmp_path_factory, *args: str) -> Path:
     return _REFS[args]
 
 
-def test_default_modes_sigkill_both_ranks_resume_bit_for_bit_and_two_to_one(tmp_path, tmp_path_factory) -> None:
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_default_modes_sigkill_both_ranks_resume_bit_for_bit_and_two_to_one(tmp_path, tmp_path_factory,
+                                                                            namespace) -> None:
     """Default modes (recover ``auto`` = async DCP, HF ``auto`` = async gather export);
     then the checkpoint of the killed 2-rank run resumes on 1 rank (FSDP1 on one rank is
-    ``NO_SHARD``) from exactly the saved model and optimizer state."""
+    ``NO_SHARD``) from exactly the saved model and optimizer state. Under either Lightning
+    namespace (both compared with the ``lightning.pytorch`` uninterrupted run)."""
     ref = reference(tmp_path_factory)
+    ns = ("--namespace", namespace)
     run = tmp_path / "run"
-    killed = train(run, "--kill-at-step", "7", "--dump-state", str(tmp_path / "dump2"))
+    killed = train(run, *ns, "--kill-at-step", "7", "--dump-state", str(tmp_path / "dump2"))
     assert killed.returncode != 0
     assert_both_ranks_wrote_their_shards(run)
     shutil.copytree(run / "checkpoints", tmp_path / "one" / "checkpoints")  # for the 2 -> 1 resume below
-    ok(train(run, "--dump-state", str(tmp_path / "dump2")), run)
+    ok(train(run, *ns, "--dump-state", str(tmp_path / "dump2")), run)
     assert_resumed_run_is_the_uninterrupted_one(ref, run)
     assert_both_ranks_wrote_their_shards(run)
 
     one = tmp_path / "one"
-    proc = train(one, "--devices", "1", "--epochs", "1", "--dump-state", str(tmp_path / "dump1"))
+    proc = train(one, *ns, "--devices", "1", "--epochs", "1", "--dump-state", str(tmp_path / "dump1"))
     ok(proc, one)
     # The step it resumed from: the last durable checkpoint, or the newer one an async save had
     # written completely when the kill came (the resume finishes its swap), whichever the kill left.

@@ -4,19 +4,29 @@ objects; and checks that no other module of the package touches those names."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
+
+# The whole module runs under either Lightning namespace: lightning.pytorch here, and
+# pytorch_lightning in a subprocess (test_every_accessor_is_pinned_under_pytorch_lightning).
+NAMESPACE = os.environ.get("AREAL_NAMESPACE", "lightning.pytorch")
+FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}[NAMESPACE]
+pl = importlib.import_module(NAMESPACE)
+DistributedSamplerWrapper = importlib.import_module(FABRIC + ".utilities.distributed").DistributedSamplerWrapper
+find_free_network_port = importlib.import_module(FABRIC + ".plugins.environments.lightning").find_free_network_port
+Callback = pl.callbacks.Callback
+CSVLogger = pl.loggers.CSVLogger
+AsyncCheckpointIO = pl.plugins.io.AsyncCheckpointIO
+FSDPStrategy, ModelParallelStrategy, DDPStrategy = (pl.strategies.FSDPStrategy, pl.strategies.ModelParallelStrategy,
+                                                    pl.strategies.DDPStrategy)
 
 from areal_lightning import DCPCheckpointIO
 from areal_lightning.lightning import _internals as internals
@@ -188,7 +198,7 @@ def test_wrapped_sampler() -> None:
 
 
 def test_callback_state_key() -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
     class Mine(Callback):
         pass
@@ -426,7 +436,7 @@ def test_continue_after_save_point(tmp_path: Path, epoch_end: bool) -> None:
 
 
 def test_cluster_environment(tmp_path: Path) -> None:
-    from lightning.pytorch.plugins.environments import LightningEnvironment
+    LightningEnvironment = importlib.import_module(NAMESPACE + ".plugins.environments").LightningEnvironment
 
     env = LightningEnvironment()
     t = trainer([], tmp_path, plugins=[env])
@@ -487,7 +497,6 @@ def test_continue_train_epoch_metrics(tmp_path: Path) -> None:
 def one_rank_group():
     """A one-process gloo group (DDP needs one), destroyed afterwards."""
     import torch.distributed as dist
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
     yield
@@ -495,7 +504,6 @@ def one_rank_group():
 
 
 def _ddp_strategy():
-    from lightning.pytorch.strategies import DDPStrategy
 
     return DDPStrategy(parallel_devices=[torch.device("cpu")], bucket_cap_mb=0.02)  # ~one 64x64 Linear per bucket
 
@@ -533,3 +541,13 @@ def test_wrap_ddp_setup_model(one_rank_group) -> None:
     assert strategy._setup_model(_three_layers())._get_ddp_logging_data()["bucket_sizes"] == "49920"
     patch.undo()
     assert "_setup_model" not in strategy.__dict__
+
+
+@pytest.mark.skipif(NAMESPACE != "lightning.pytorch", reason="runs the module under the other namespace")
+def test_every_accessor_is_pinned_under_pytorch_lightning() -> None:
+    """Every test of this module, under ``import pytorch_lightning`` (its own copies of the classes)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                           "-n", "0", __file__], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "AREAL_NAMESPACE": "pytorch_lightning"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -45,12 +45,13 @@ _REFERENCE_ROOT: dict[tuple[str, ...], Path] = {}
 
 def reference_key(args: tuple[str, ...]) -> tuple[str, ...]:
     """The arguments that change the uninterrupted run's training: not the io mode nor the
-    checkpoint frequencies (saving reads the state, it never changes it)."""
+    checkpoint frequencies (saving reads the state, it never changes it), nor the Lightning
+    namespace (a ``pytorch_lightning`` run must train as the ``lightning.pytorch`` one does)."""
     key, skip = [], False
     for a in args:
         if skip:
             skip = False
-        elif a in ("--io-mode", "--freq-steps", "--freq-epochs"):
+        elif a in ("--io-mode", "--freq-steps", "--freq-epochs", "--namespace"):
             skip = True
         else:
             key.append(a)
@@ -94,6 +95,9 @@ CASES = {
     "right-after-epoch-end-checkpoint": (13, ("--freq-steps", "100", "--freq-epochs", "1")),
     "async-checkpoint": (12, ("--io-mode", "async")),  # the save of step 5 is surely committed by step 10's
     "second-epoch": (23, ("--io-mode", "async", "--workers", "2")),
+    # `import pytorch_lightning as pl`: the same training, compared with lightning.pytorch's run
+    "pytorch-lightning-async-2-workers": (9, ("--namespace", "pytorch_lightning", "--io-mode", "async",
+                                              "--workers", "2")),
 }
 
 
@@ -153,11 +157,13 @@ def test_retries_supervisor_resumes_a_crashing_training_run(tmp_path, tmp_path_f
     assert_exact(losses_by_step(losses), want)
 
 
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
 def test_sigterm_on_one_rank_checkpoints_that_step_on_every_rank_and_the_rerun_redoes_nothing(
-        tmp_path, tmp_path_factory) -> None:
+        tmp_path, tmp_path_factory, namespace) -> None:
     """DDP on 2 processes, checkpoints every 5 steps; only rank 1 gets SIGTERM, after step 8.
-    Both ranks agree, checkpoint step 8, exit 75; the same command trains steps 9.. once."""
-    args = ("--devices", "2")
+    Both ranks agree, checkpoint step 8, exit 75; the same command trains steps 9.. once.
+    Under either Lightning namespace."""
+    args = ("--devices", "2", "--namespace", namespace)
     ref = tmp_path_factory.mktemp("ddp-reference")
     assert train(ref, ref / "losses.jsonl", *args).returncode == 0
     losses = tmp_path / "losses.jsonl"

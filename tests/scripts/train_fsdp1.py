@@ -21,6 +21,7 @@ On an exception each rank writes ``DIR/error.rank{r}.txt`` with the error and ex
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -33,7 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cpu)
 
-import lightning.pytorch as pl  # noqa: E402
+# The Lightning namespace (``--namespace pytorch_lightning``; read before Lightning is imported).
+NAMESPACE = sys.argv[sys.argv.index("--namespace") + 1] if "--namespace" in sys.argv else "lightning.pytorch"
+os.environ["AREAL_NAMESPACE"] = NAMESPACE  # for tests/fsdp1_cpu.py
+pl = importlib.import_module(NAMESPACE)
+
 import torch  # noqa: E402
 from fsdp1_cpu import CPUFSDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -146,6 +151,7 @@ class GPUReport(pl.Callback):
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
+    p.add_argument("--namespace", default="lightning.pytorch", choices=["lightning.pytorch", "pytorch_lightning"])
     p.add_argument("--losses", required=True)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--num-nodes", type=int, default=1)

@@ -15,6 +15,7 @@ the loss of a step is recorded in ``training_step``, so before any checkpoint of
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -22,11 +23,15 @@ import sys
 import time
 import warnings
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from areal_lightning import RecoverCallback
+# The Lightning namespace (``--namespace pytorch_lightning``; read before Lightning is imported).
+NAMESPACE = sys.argv[sys.argv.index("--namespace") + 1] if "--namespace" in sys.argv else "lightning.pytorch"
+os.environ["AREAL_NAMESPACE"] = NAMESPACE  # for tests/fsdp1_cpu.py
+pl = importlib.import_module(NAMESPACE)
+
+from areal_lightning import RecoverCallback  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -150,6 +155,7 @@ class LimitFileSize(pl.Callback):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
+    p.add_argument("--namespace", default="lightning.pytorch", choices=["lightning.pytorch", "pytorch_lightning"])
     p.add_argument("--losses", required=True)
     p.add_argument("--loader", default="plain", choices=["plain", "stateful"])
     p.add_argument("--workers", type=int, default=0)
