@@ -383,3 +383,32 @@ def test_lightning_callbacks_beside_ours_resume_exactly(tmp_path, name, crash_at
         assert same(cb.state_dict(), ref_cb.state_dict())
     assert csv_rows(tmp_path / "run" / "logs" / "fixed" / "metrics.csv") == \
         csv_rows(tmp_path / "ref" / "logs" / "fixed" / "metrics.csv")
+
+
+def test_wandb_offline_continues_the_same_run(tmp_path, recwarn) -> None:
+    """``WandbLogger(offline=True)``: the rerun continues the interrupted run's id (no new run;
+    the one Lightning opened for the start is dropped), and the default ModelCheckpoint, whose
+    folder is named after the run id, keeps its files and bookkeeping."""
+    wandb = pytest.importorskip("wandb")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    from lightning.pytorch.loggers import WandbLogger
+
+    def run(root: Path, crash: int | None = None):
+        logger = WandbLogger(save_dir=str(root), project="p", offline=True)
+        try:
+            trainer, _ = fit("lightning.pytorch", root, crash_at=crash, max_epochs=3, logger=logger)
+        finally:
+            wandb.finish()  # a new process has no run in progress
+        return trainer, logger
+
+    _, ref_logger = run(tmp_path / "ref")
+    _, first = run(tmp_path / "run", crash=13)
+    trainer, again = run(tmp_path / "run")
+    assert again.version == first.version
+    assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]
+    runs = sorted(p.name for p in (tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(f"-{first.version}" in name for name in runs), runs  # (+"-1" in the same second)
+    folder = tmp_path / "run" / "p" / first.version / "checkpoints"
+    assert trainer.checkpoint_callback.dirpath == str(folder)
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(tmp_path / "ref" / "p" / ref_logger.version / "checkpoints"))
+    assert [p.name for p in (tmp_path / "run" / "p").iterdir()] == [first.version]

@@ -190,6 +190,29 @@ def test_redirect_logger(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "version_3" / "metrics.csv").is_file()
 
 
+def _offline_wandb(tmp_path: Path):
+    pytest.importorskip("wandb")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return pl.loggers.WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+
+
+def test_can_redirect_wandb(tmp_path: Path) -> None:
+    assert internals.can_redirect_wandb(_offline_wandb(tmp_path))
+    assert not internals.can_redirect_wandb(CSVLogger(tmp_path))
+
+
+def test_redirect_wandb(tmp_path: Path) -> None:
+    logger = _offline_wandb(tmp_path)
+    first = logger.experiment.id
+    logger.experiment.finish()
+    logger = _offline_wandb(tmp_path)
+    fresh = logger.experiment  # a new run id, as a new start opens
+    assert fresh.id != first
+    assert internals.redirect_wandb(logger, first) is fresh
+    assert logger.version == first and logger.experiment.id == first  # the same run continues
+    logger.experiment.finish()
+
+
 def test_wrapped_sampler() -> None:
     inner = RandomSampler(range(10))
     wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0)

@@ -52,7 +52,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from areal_lightning.capture.rng import from_saved, to_saved
 from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks
 from areal_lightning.errors import RecoverMismatchError, start_fresh
-from areal_lightning.lightning.namespaces import fabric_classes
+from areal_lightning.namespaces import fabric_classes
 
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
 

@@ -17,7 +17,8 @@ Why each is needed (public Lightning has no equivalent):
   default one), unwrapped from Lightning's ``_WrappingCheckpointIO``.
 * per-rank sharded saves: ``FSDPStrategy._state_dict_type`` and
   ``ModelParallelStrategy._save_distributed_checkpoint`` (constructor-only settings).
-* continuing the interrupted run's logger version: ``logger._version`` / ``logger._experiment``.
+* continuing the interrupted run's logger version: ``logger._version`` / ``logger._experiment``;
+  a ``WandbLogger``'s run: ``_wandb_init`` / ``_id`` / ``_experiment``.
 * a callback's checkpoint key from its arguments (``Callback._generate_state_key``), as
   Lightning's own callbacks build theirs, so several instances coexist in one Trainer.
 * the user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``dataset._sampler``),
@@ -59,6 +60,8 @@ __all__ = [
     "saves_distributed_checkpoint",
     "set_save_distributed_checkpoint",
     "can_redirect_logger",
+    "can_redirect_wandb",
+    "redirect_wandb",
     "redirect_logger",
     "wrapped_sampler",
     "callback_state_key",
@@ -148,7 +151,7 @@ def user_checkpoint_io(strategy: Any) -> Any:
 
 def unwrap_checkpoint_io(io: Any) -> Any:
     """``io`` without Lightning's wrappers (``AsyncCheckpointIO`` etc., ``_WrappingCheckpointIO``)."""
-    from areal_lightning.lightning.namespaces import classes
+    from areal_lightning.namespaces import classes
 
     while isinstance(io, classes("plugins.io.wrapper._WrappingCheckpointIO")):
         io = io.checkpoint_io
@@ -191,10 +194,30 @@ def redirect_logger(logger: Any, version: Any) -> None:
     logger._version = version
 
 
+def can_redirect_wandb(logger: Any) -> bool:
+    """Whether ``logger`` is a ``WandbLogger`` whose run :func:`redirect_wandb` can change
+    (``_wandb_init``, ``_id``, ``_experiment``)."""
+    return isinstance(getattr(logger, "_wandb_init", None), dict) and hasattr(logger, "_id") \
+        and hasattr(logger, "_experiment")
+
+
+def redirect_wandb(logger: Any, run_id: str) -> Any:
+    """Finish the W&B run this start opened (``logger._experiment``) and make the logger continue
+    the run ``run_id`` (``wandb.init(id=run_id, resume="allow")`` at the next access); returns the
+    finished run (``None`` if there was none)."""
+    run = logger._experiment
+    if run is not None:
+        run.finish()
+    logger._experiment = None
+    logger._id = run_id
+    logger._wandb_init.update(id=run_id, resume="allow")
+    return run
+
+
 def wrapped_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper``
     (``sampler.dataset._sampler``); any other sampler is returned as is."""
-    from areal_lightning.lightning.namespaces import fabric_classes
+    from areal_lightning.namespaces import fabric_classes
 
     if isinstance(sampler, fabric_classes("utilities.distributed.DistributedSamplerWrapper")):
         return getattr(sampler.dataset, "_sampler", sampler)
@@ -308,7 +331,7 @@ def wrap_ddp_setup_model(strategy: Any, patch: Patch, layout: Callable[[], list[
     import sys
 
     import torch.distributed as dist
-    from areal_lightning.lightning.namespaces import classes
+    from areal_lightning.namespaces import classes
 
     if not isinstance(strategy, classes("strategies.DDPStrategy")):
         return False

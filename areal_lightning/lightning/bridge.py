@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 from lightning.pytorch.strategies import Strategy
 
 from areal_lightning.layout import new_token
-from areal_lightning.lightning.namespaces import classes
+from areal_lightning.namespaces import classes
 from areal_lightning.lightning._internals import (
     fsdp_state_dict_type,
     saves_distributed_checkpoint,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_lightning.lightning.namespaces import classes
+from areal_lightning.namespaces import classes
 
 __all__ = ["started_swa", "resume_swa"]
 

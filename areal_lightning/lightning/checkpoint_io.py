@@ -58,7 +58,7 @@ from areal_lightning.errors import ConfigError
 from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
 from areal_lightning.lightning.bridge import install_bridge
-from areal_lightning.lightning.namespaces import bases
+from areal_lightning.namespaces import bases
 from areal_lightning.write.checksum import Written
 from areal_lightning.write.dcp import DCPEngine
 

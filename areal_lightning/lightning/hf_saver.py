@@ -29,7 +29,7 @@ from areal_lightning.config import (
 from areal_lightning.hf_export import HFExporter, validate_method
 from areal_lightning.layout import TrialLayout
 from areal_lightning.lightning._internals import callback_state_key
-from areal_lightning.lightning.namespaces import bases
+from areal_lightning.namespaces import bases
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 from areal_lightning.trigger import EpochPosition, FreqController, StepGate
 from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE

@@ -25,9 +25,14 @@ from areal_lightning.commit.recover_store import RecoverStore
 from areal_lightning.config import ExperimentConfig
 from areal_lightning.errors import RecoverMismatchError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO
-from areal_lightning.lightning._internals import can_redirect_logger, redirect_logger
+from areal_lightning.lightning._internals import (
+    can_redirect_logger,
+    can_redirect_wandb,
+    redirect_logger,
+    redirect_wandb,
+)
 from areal_lightning.lightning.bridge import SHARDED_STRATEGY_NAMES, is_sharded
-from areal_lightning.lightning.namespaces import classes
+from areal_lightning.namespaces import classes
 
 __all__ = ["ResumePlan", "plan_resume", "agreed_plan", "continue_user_files", "csv_snapshots", "restore_csv_logs", "checkpoint_files",
            "model_checkpoints", "strategy_family"]
@@ -223,19 +228,33 @@ def continue_user_files(trainer: Any, saved: dict[str, Any], steps_done: int) ->
       checkpoint are removed (the steps that wrote them are trained again).
     (``CSVLogger`` rows: :func:`restore_csv_logs`, once the callback state is loaded.)
     """
-    before = _checkpoint_dir_of_logger(trainer)
+    before = trainer.strategy.broadcast(_checkpoint_dir_of_logger(trainer))  # as ModelCheckpoint resolved it
     for logger, entry in zip(trainer.loggers, saved.get("loggers", [])):
         if type(logger).__name__ != entry.get("class") or logger.name != entry.get("name"):
             continue
-        if can_redirect_logger(logger) and logger.version != entry["version"]:
+        if can_redirect_wandb(logger):
+            if entry["version"] is not None and trainer.strategy.broadcast(logger.version) != entry["version"]:
+                _continue_wandb_run(trainer, logger, entry["version"])
+        elif can_redirect_logger(logger) and logger.version != entry["version"]:
             _redirect(trainer, logger, entry["version"], steps_done)
-    after = _checkpoint_dir_of_logger(trainer)
+    after = trainer.strategy.broadcast(_checkpoint_dir_of_logger(trainer))
     if before is not None and after is not None and before != after:
         for cb in model_checkpoints(trainer):
             if os.path.normpath(str(cb.dirpath)) == os.path.normpath(before):
                 cb.dirpath = after  # the string Lightning resolves (its saved dirpath is compared as such)
     if trainer.is_global_zero and "checkpoint_files" in saved:
         _remove_later_checkpoints(saved["checkpoint_files"], trainer)
+
+
+def _continue_wandb_run(trainer: Any, logger: Any, run_id: str) -> None:
+    """A ``WandbLogger``: continue the checkpointed run's id (``resume="allow"``) instead of the
+    new run Lightning opened for this start, which is finished and, offline, its folder removed
+    (it holds nothing yet). ``wandb sync`` of the offline folders of one id makes one run."""
+    run = redirect_wandb(logger, run_id)
+    folder = getattr(run, "dir", None) if run is not None else None
+    if trainer.is_global_zero and folder and getattr(getattr(run, "settings", None), "mode", None) in ("offline", "dryrun"):
+        shutil.rmtree(Path(folder).parent, ignore_errors=True)  # offline-run-<time>-<new id>/
+    log.info("RecoverCallback: %s continues the W&B run %s", type(logger).__name__, run_id)
 
 
 def _redirect(trainer: Any, logger: Any, version: Any, steps_done: int) -> None:

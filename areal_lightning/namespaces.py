@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
 
-__all__ = ["PYTORCH_NAMESPACES", "FABRIC_NAMESPACES", "classes", "fabric_classes", "bases", "namespace_of"]
+__all__ = ["PYTORCH_NAMESPACES", "FABRIC_NAMESPACES", "classes", "fabric_classes", "bases"]
 
 PYTORCH_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 """The trainer-side namespaces, the unified package's first."""
@@ -59,13 +58,3 @@ def bases(path: str) -> tuple[type, ...]:
     """Base classes for a class of ours that both namespaces must accept (``class
     RecoverCallback(*bases("callbacks.Callback"))``): the same class in every installed namespace."""
     return classes(path)
-
-
-def namespace_of(obj: Any) -> str:
-    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the namespace ``obj``'s class comes from
-    (e.g. the Trainer a callback was given); ``""`` for a class of neither."""
-    module = type(obj).__module__
-    for root in PYTORCH_NAMESPACES + FABRIC_NAMESPACES:
-        if module == root or module.startswith(root + "."):
-            return root
-    return ""
