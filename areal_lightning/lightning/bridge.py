@@ -39,13 +39,13 @@ from typing import Any, Callable, Iterator, Optional, Union
 from lightning.pytorch.strategies import Strategy
 
 from areal_lightning.layout import new_token
-from areal_lightning.namespaces import classes
 from areal_lightning.lightning._internals import (
     fsdp_state_dict_type,
     saves_distributed_checkpoint,
     set_fsdp_state_dict_type,
     set_save_distributed_checkpoint,
 )
+from areal_lightning.namespaces import classes
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from areal_lightning.errors import ConfigError
 from areal_lightning.layout import CHECKPOINT_INFO, TrialLayout
 from areal_lightning.lightning._internals import callback_state_key, cluster_environment
 from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
-from areal_lightning.namespaces import bases, classes
 from areal_lightning.lightning.recover_session import RecoverSession
 from areal_lightning.lightning.recover_state import RecoverState
+from areal_lightning.namespaces import bases, classes
 from areal_lightning.telemetry import Telemetry
 from areal_lightning.trigger import FreqController, SaveSchedule, StepInfo
 from areal_lightning.trigger.preempt import (
