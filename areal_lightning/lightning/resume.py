@@ -1,12 +1,16 @@
-"""Resume (Lightning): which recover checkpoint a start continues from, and the loggers' versions.
+"""Resume (Lightning): which recover checkpoint a start continues from, and the user's files.
 
 * :func:`plan_resume` (rank 0): finish an interrupted swap, read and validate
   ``recover_info/``, check the run is the same one (experiment, trial, strategy family),
   check every file's presence and size and ``.metadata``'s checksum against the manifest
   (the data itself is verified by each rank as it loads it); the result is a :class:`ResumePlan` or ``None``
   (a fresh start). :func:`agreed_plan` gives every rank rank 0's plan, or its error.
-* :func:`continue_logger_versions`: point each logger back at the version the checkpointed
-  run logged into (Lightning made a new empty one before any callback ran).
+* :func:`continue_user_files`: point each logger back at the version (W&B: the run) the
+  checkpointed run logged into (Lightning made a new empty one before any callback ran), the
+  ``ModelCheckpoint`` folders taken from it with them, and remove the checkpoint files written
+  after the checkpoint; :func:`checkpoint_files` records which were there at each save.
+* :func:`csv_snapshots` / :func:`restore_csv_logs`: a ``CSVLogger``'s ``metrics.csv`` as of
+  each save, written back on resume (Lightning's CSV writer empties it at start).
 """
 
 from __future__ import annotations
