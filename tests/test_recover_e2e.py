@@ -96,8 +96,9 @@ CASES = {
     "async-checkpoint": (12, ("--io-mode", "async")),  # the save of step 5 is surely committed by step 10's
     "second-epoch": (23, ("--io-mode", "async", "--workers", "2")),
     # `import pytorch_lightning as pl`: the same training, compared with lightning.pytorch's run
-    "pytorch-lightning-async-2-workers": (9, ("--namespace", "pytorch_lightning", "--io-mode", "async",
-                                              "--workers", "2")),
+    # (killed at 12 as "async-checkpoint" is: the save of step 10 first waited for step 5's)
+    "pytorch-lightning-async-2-workers": (12, ("--namespace", "pytorch_lightning", "--io-mode", "async",
+                                               "--workers", "2")),
 }
 
 

@@ -202,6 +202,12 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         return self.config.enabled
 
     @property
+    def checkpoint_io(self) -> Any:
+        """The ``DCPCheckpointIO`` the recover checkpoints go through during ``fit`` (the Trainer's
+        own when the user passed one, else the callback's); ``None`` outside ``fit``."""
+        return self._session.io if self._session is not None else None
+
+    @property
     def state_key(self) -> str:
         """Unique per recover model name."""
         return callback_state_key(self, name=self.name)

@@ -52,7 +52,7 @@ class KillAt(pl.Callback):
 
 class Report(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
-        io = trainer.strategy.checkpoint_io
+        io = next(cb for cb in trainer.callbacks if isinstance(cb, RecoverCallback)).checkpoint_io  # the recover IO
         stager = io.engine.stager._stager  # the engine's long-lived DefaultStager
         pinned = None
         if stager is not None:

@@ -139,7 +139,8 @@ class GPUReport(pl.Callback):
         self.root = root
 
     def on_train_end(self, trainer, pl_module) -> None:
-        stager = trainer.strategy.checkpoint_io.engine.stager  # the recover saves' HostStager
+        io = next(cb for cb in trainer.callbacks if isinstance(cb, RecoverCallback)).checkpoint_io
+        stager = io.engine.stager  # the recover saves' HostStager
         probe = stager.stage_to_host({"probe": torch.ones(1024, device="cuda")})["probe"]
         report = {"backend": torch.distributed.get_backend(), "gpu": torch.cuda.get_device_name(),
                   "device": torch.cuda.current_device(),

@@ -147,7 +147,9 @@ class LimitFileSize(pl.Callback):
         if trainer.global_step == self.step:
             import resource
 
-            trainer.strategy.checkpoint_io.wait()  # an async save still in flight completes first
+            for cb in trainer.callbacks:  # an async save still in flight completes first
+                if isinstance(cb, RecoverCallback):
+                    cb.wait()
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG errors instead of a signal
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 

@@ -11,7 +11,8 @@ Lightning's defaults (the TensorBoard logger under ``lightning_logs/``, the defa
 The namespace is ``$AREAL_NAMESPACE`` (``lightning.pytorch`` or ``pytorch_lightning``).
 ``$AREAL_LOSSES`` (a file) receives ``{"step": s, "loss": hex}`` lines as they happen;
 ``$AREAL_KILL_AT=N``: at the end of global step N the process waits until the last recover
-checkpoint is durable and SIGKILLs itself.
+checkpoint is durable and SIGKILLs itself. At the end, ``result.json`` (in the working
+directory) holds each ``ModelCheckpoint``'s ``best_model_path`` and ``last_model_path``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,16 @@ def plain(root: str, checkpoints: str = "default", csv_version: str | None = Non
     trainer = pl.Trainer(default_root_dir=root, max_epochs=3, log_every_n_steps=1, callbacks=callbacks,
                          logger=logger, accelerator="cpu", devices=1, enable_progress_bar=False)
     trainer.fit(Model(), datamodule=DataModule())
+    write_result(trainer)
+
+
+def write_result(trainer) -> None:
+    """Each ModelCheckpoint's best and last file (relative to the working directory) in result.json."""
+    found = [{"best": os.path.relpath(cb.best_model_path) if cb.best_model_path else None,
+              "last": os.path.relpath(cb.last_model_path) if cb.last_model_path else None}
+             for cb in trainer.checkpoint_callbacks]
+    with open("result.json", "w") as f:
+        json.dump(found, f)
 
 
 if __name__ == "__main__":
@@ -118,4 +129,4 @@ if __name__ == "__main__":
         opts = dict(zip(args[1::2], args[2::2]))
         plain(args[0], opts.get("--checkpoints", "default"), opts.get("--csv-version"))
     else:
-        pl.cli.LightningCLI(Model, DataModule)
+        write_result(pl.cli.LightningCLI(Model, DataModule).trainer)
