@@ -272,6 +272,7 @@ OTHER_LIBRARIES_PRIVATE = {
     "_init_from_local_shards_and_global_metadata": "stage/host.py",  # torch ShardedTensor (FSDP1 staging)
     "_process_group": "stage/host.py",  # torch ShardedTensor (FSDP1 staging)
     "_getdtype": "write/hf.py",  # safetensors' dtype names (DCP HF export check)
+    "_orig_mod": "capture/compiled.py",  # torch.compile's OptimizedModule -> the module (tests/test_compile.py)
     # torch DCP's class-level plan caches (DefaultSavePlanner(enable_plan_caching=True)): read
     # to compare dtypes and dropped when an engine closes; pinned by
     # tests/test_engine.py::test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes

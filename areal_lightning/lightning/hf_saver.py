@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 
+from areal_lightning.capture.compiled import uncompiled
 from areal_lightning.capture.hf_weights import fsdp1_root
 from areal_lightning.collective import (
     DEFAULT_TIMEOUT_S,
@@ -204,10 +205,12 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                     "or to a callable module -> PreTrainedModel"
                 ) from None
             where = f"attribute {self.model_attr!r}"
+        model = uncompiled(model)  # torch.compile's OptimizedModule: the model it wraps
         if not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__} is a "
-                f"{type(model).__name__}, not a transformers.PreTrainedModel"
+                f"{type(model).__name__}, not a transformers.PreTrainedModel (supported: a PreTrainedModel, "
+                "also torch.compile'd)"
             )
         return model
 

@@ -338,6 +338,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
         self.state.strip_loader_states(checkpoint)
+        self.state.plain_names(checkpoint)
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
         """On a different world size, map the dataloader position (runs before ``load_state_dict``)."""

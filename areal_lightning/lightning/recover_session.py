@@ -32,6 +32,7 @@ from typing import Any, Callable
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
+from areal_lightning.capture.compiled import live_names
 from areal_lightning.collective import check_shared_storage
 from areal_lightning.commit.recover_store import RecoverStore, TrialLock
 from areal_lightning.errors import CheckpointCorruptError, ConfigError, start_fresh
@@ -49,7 +50,7 @@ from areal_lightning.lightning._internals import (
     wrap_step_end,
     wrap_train_dataloader,
 )
-from areal_lightning.lightning.bridge import bridged, install_bridge
+from areal_lightning.lightning.bridge import bridged, install_bridge, is_sharded
 from areal_lightning.lightning.builtin_resume import resume_swa, started_swa
 from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
 from areal_lightning.lightning.recover_state import (
@@ -205,7 +206,9 @@ class RecoverSession:
                 if not _is_dcp_dir(checkpoint_path):  # the user's own checkpoint: their CheckpointIO
                     return original(checkpoint_path, weights_only)
                 with bridged(trainer.strategy, self.io):  # a recover checkpoint (or a copy of one)
-                    return original(checkpoint_path, weights_only)
+                    original(checkpoint_path, weights_only)
+                self._to_live_names()
+                return None
             plan = self.plan = agreed_plan(self.store, self.experiment, trainer, self.ranks)
             if plan is None:
                 return original(None, weights_only)
@@ -220,6 +223,7 @@ class RecoverSession:
                     original(str(plan.path), self.weights_only)
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
+            self._to_live_names()
             self._swa = started_swa(trainer, loaded_checkpoint(trainer))
             loaded = loaded_checkpoint(trainer).get("global_step")
             if loaded != ckpt["global_step"]:
@@ -234,6 +238,15 @@ class RecoverSession:
                      read.verified if read else 0, read.verify_s if read else 0.0)
 
         return resume_start
+
+    def _to_live_names(self) -> None:
+        """The loaded model state under the live model's names: a recover checkpoint stores them
+        without ``torch.compile``'s ``_orig_mod.`` segments (sharded strategies load by the live
+        model's own names already)."""
+        checkpoint = loaded_checkpoint(self.trainer)
+        if isinstance(checkpoint.get("state_dict"), dict) and not is_sharded(self.trainer.strategy):
+            live = self.trainer.lightning_module.state_dict().keys()
+            checkpoint["state_dict"] = live_names(checkpoint["state_dict"], live)
 
     def state_loaded(self) -> None:
         """The callback state of the checkpoint is loaded: an automatic resume writes back the

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from areal_lightning.capture.compiled import plain_name
 from areal_lightning.capture.loader import (
     LoaderTracker,
     is_stateful_loader,
@@ -142,6 +143,13 @@ class RecoverState:
             gathered = ranks.agree(None, "per-rank RNG and data position", mine)
             state["per_rank"] = {str(rank): entry for rank, entry in enumerate(gathered)}
         return state
+
+    def plain_names(self, checkpoint: dict[str, Any]) -> None:
+        """In our own saves, the model's state-dict keys without ``torch.compile``'s ``_orig_mod.``
+        segments (a compiled and an uncompiled run resume each other's checkpoints)."""
+        if self._saving is None or not isinstance(checkpoint.get("state_dict"), dict):
+            return
+        checkpoint["state_dict"] = {plain_name(k): v for k, v in checkpoint["state_dict"].items()}
 
     def strip_loader_states(self, checkpoint: dict[str, Any]) -> None:
         """In our own saves, drop Lightning's copy of the train loaders' states: the tracker
