@@ -99,11 +99,13 @@ from areal_lightning.capture.hf_weights import (
     meta_twin,
     split_for_dcp,
 )
+from areal_lightning.capture.peft_weights import adapter_tensors, is_peft, merged_state_dict
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.config import DEFAULT_SHARDED_METHOD, SHARDED_METHODS
 from areal_lightning.errors import CheckpointWriteError, ConfigError
 from areal_lightning.stage import BackgroundWorker
 from areal_lightning.write.hf import (
+    export_peft,
     DEFAULT_MAX_SHARD_SIZE,
     HFFilePlan,
     export_hf,
@@ -123,6 +125,17 @@ def _rank() -> int:
 
 PublishHook = Callable[[Path, float | None], None]
 """Called on rank 0 once an export is published: ``(final_dir, blocked_s or None for sync)``."""
+
+
+PEFT_EXPORTS = ("adapter", "merged", "both")
+"""What an HF export of a PEFT model writes (see ``HFSaverCallback(peft_export=...)``)."""
+
+
+def validate_peft_export(value: Any, field: str = "peft_export") -> str:
+    """``value`` if it is one of :data:`PEFT_EXPORTS`, else :class:`ConfigError` naming ``field``."""
+    if value not in PEFT_EXPORTS:
+        raise ConfigError(field, f"unknown value {value!r}; allowed: {', '.join(PEFT_EXPORTS)}")
+    return value
 
 
 def validate_method(method: Any, field: str = "method") -> str:
@@ -163,8 +176,10 @@ class HFExporter:
         thread_count: int = 1,
         collective_timeout: float = DEFAULT_TIMEOUT_S,
         ranks: CheckpointGroup | None = None,
+        peft_export: str = "adapter",
     ) -> None:
         self.method = validate_method(method)
+        self.peft_export = validate_peft_export(peft_export)
         self.asynchronous = asynchronous
         self.max_shard_size = max_shard_size
         self.thread_count = thread_count
@@ -285,6 +300,10 @@ class HFExporter:
         """Replicated weights: rank 0's own copy. Sharded: the streamed gather to rank 0
         (FSDP1: its full state dict, one unit at a time). Returns rank 0's write (``None``
         elsewhere)."""
+        if is_peft(model):
+            if fsdp_root is not None or is_sharded(model):
+                raise TypeError("HF export of a PEFT model under FSDP is not supported yet; use DDP or one process")
+            return self._prepare_peft(model, final, tokenizer, lead)
         if fsdp_root is not None:
             staged = fsdp1_state(fsdp_root, model, full=True)  # collective: training thread
         elif is_sharded(model):
@@ -298,6 +317,21 @@ class HFExporter:
         writer = self._writer_model(model, fsdp_root)
         return lambda tmp: export_hf(writer, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size,
                                      tmp_dir=tmp)
+
+    def _prepare_peft(self, model: Any, final: Path, tokenizer: Any, lead: bool) -> Callable[[Path | None], Any] | None:
+        """A PEFT model (replicated): its adapter and/or its merged weights (``peft_export``),
+        computed on the training thread (host copies for an async export); rank 0 writes."""
+        if not lead:
+            return None
+        adapter = adapter_tensors(model) if self.peft_export in ("adapter", "both") else None
+        merged = merged_state_dict(model) if self.peft_export in ("merged", "both") else None
+        if self._worker is not None:
+            staged = self._worker.stage_to_host({**{f"a:{k}": v for k, v in (adapter or {}).items()},
+                                                 **{f"m:{k}": v for k, v in (merged or {}).items()}})
+            adapter = None if adapter is None else {k: staged[f"a:{k}"] for k in adapter}
+            merged = None if merged is None else {k: staged[f"m:{k}"] for k in merged}
+        return lambda tmp: export_peft(model, final, tokenizer, adapter=adapter, merged=merged,
+                                       max_shard_size=self.max_shard_size, tmp_dir=tmp)
 
     def _writer_model(self, model: Any, fsdp_root: torch.nn.Module | None) -> Any:
         """The model ``save_pretrained`` is called on: the live one, or for FSDP1 its

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 
 from areal_lightning.capture.compiled import uncompiled
 from areal_lightning.capture.hf_weights import fsdp1_root
+from areal_lightning.capture.peft_weights import is_peft
 from areal_lightning.collective import (
     DEFAULT_TIMEOUT_S,
     CheckpointGroup,
@@ -27,7 +28,7 @@ from areal_lightning.config import (
     as_experiment,
     validate_model_name,
 )
-from areal_lightning.hf_export import HFExporter, validate_method
+from areal_lightning.hf_export import HFExporter, validate_method, validate_peft_export
 from areal_lightning.layout import TrialLayout
 from areal_lightning.lightning._internals import callback_state_key
 from areal_lightning.namespaces import bases
@@ -88,6 +89,10 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             are exported in a multi-process run.
         collective_timeout: seconds each export's agreement and collectives wait for the
             other ranks before every rank raises (multi-process runs).
+        peft_export: for a ``peft.PeftModel``: ``"adapter"`` (default: what ``PeftModel.save_pretrained``
+            writes, small, loaded with ``AutoPeftModelForCausalLM``), ``"merged"`` (full weights with the
+            adapters merged in, loaded with ``AutoModelForCausalLM``: what an inference engine takes) or
+            ``"both"`` (merged in the folder, the adapter in its ``adapter/`` subfolder).
 
     Example:
         >>> saver = HFSaverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
@@ -112,6 +117,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
         sharded_method: str = DEFAULT_SHARDED_METHOD,
         collective_timeout: float = DEFAULT_TIMEOUT_S,
+        peft_export: str = "adapter",
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -137,6 +143,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self.tokenizer = tokenizer
         self.max_shard_size = max_shard_size
         self.sharded_method = sharded_method
+        self.peft_export = validate_peft_export(peft_export)
         self.freq = FreqController(self.config.freq_epochs, self.config.freq_steps, self.config.freq_secs)
         self.gate = StepGate(self.freq)
         self.position = EpochPosition()
@@ -153,7 +160,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
 
         Uses the top-level ``fileroot`` / ``experiment_name`` / ``trial_name`` / ``user`` and
         the ``saver:`` section; ``kwargs`` (``name``, ``model_attr``, ``tokenizer``,
-        ``max_shard_size``, ``sharded_method``) are passed through. ``strict=False`` ignores
+        ``max_shard_size``, ``sharded_method``, ``peft_export``) are passed through. ``strict=False`` ignores
         unknown top-level keys (for configs that also hold your model and data settings).
 
         Example:
@@ -206,11 +213,11 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                 ) from None
             where = f"attribute {self.model_attr!r}"
         model = uncompiled(model)  # torch.compile's OptimizedModule: the model it wraps
-        if not isinstance(model, PreTrainedModel):
+        if not isinstance(model, PreTrainedModel) and not is_peft(model):
             raise TypeError(
                 f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__} is a "
-                f"{type(model).__name__}, not a transformers.PreTrainedModel (supported: a PreTrainedModel, "
-                "also torch.compile'd)"
+                f"{type(model).__name__}, not a transformers.PreTrainedModel (supported: a PreTrainedModel or a "
+                "peft.PeftModel, also torch.compile'd)"
             )
         return model
 
@@ -300,7 +307,8 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             if self.resolved_mode is None:
                 self.resolved_mode = self._resolve_mode(trainer)
             self._exporter = HFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
-                                        max_shard_size=self.max_shard_size, name=self.name, ranks=self.ranks)
+                                        max_shard_size=self.max_shard_size, name=self.name, ranks=self.ranks,
+                                        peft_export=self.peft_export)
 
         def published(path: Path, blocked: float | None) -> None:
             self._published(path, start, steps, blocked)

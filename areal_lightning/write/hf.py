@@ -116,6 +116,42 @@ def export_hf(
     return final_dir
 
 
+def export_peft(
+    model: Any,
+    final_dir: Path,
+    tokenizer: Any = None,
+    *,
+    adapter: Mapping[str, torch.Tensor] | None,
+    merged: Mapping[str, torch.Tensor] | None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    tmp_dir: Path | None = None,
+) -> Path:
+    """Export a ``peft.PeftModel`` to ``final_dir`` atomically, as :func:`export_hf` does.
+
+    ``merged`` (the base model's names, adapters merged in): written with the base model's
+    ``save_pretrained`` (``config.json`` + safetensors), loadable with ``AutoModelForCausalLM``.
+    ``adapter`` (the model's adapter entries, see ``capture.peft_weights.adapter_tensors``):
+    written with ``PeftModel.save_pretrained`` (``adapter_config.json`` +
+    ``adapter_model.safetensors``), into the folder itself, or into ``adapter/`` when both are
+    written. The tokenizer is saved with each."""
+    tmp = tmp_dir if tmp_dir is not None else prepare_tmp(final_dir)
+    try:
+        with _quiet_hf_progress():
+            if merged is not None:
+                model.get_base_model().save_pretrained(tmp, state_dict=dict(merged), max_shard_size=max_shard_size)
+            if adapter is not None:
+                folder = tmp / "adapter" if merged is not None else tmp
+                model.save_pretrained(folder, state_dict=dict(adapter), safe_serialization=True)
+                if merged is not None and tokenizer is not None:
+                    tokenizer.save_pretrained(folder)
+        finish_export(tmp, final_dir, tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.debug("exported PEFT model to %s", final_dir)
+    return final_dir
+
+
 # --------------------------------------------------------------------------------------
 # The DCP method
 
