@@ -132,3 +132,15 @@ def test_lora_exports_under_ddp_on_two_ranks(tmp_path) -> None:
     torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(last)), live, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(last / "adapter")), live,
                                rtol=1e-6, atol=1e-6)
+
+
+def test_a_peft_model_is_exported_by_default_as_its_adapter(tmp_path) -> None:
+    """No PEFT setting: ``HFSaverCallback`` takes the PeftModel (it was refused as "not a
+    PreTrainedModel") and writes the adapter, as ``PeftModel.save_pretrained`` would."""
+    pl.seed_everything(0, verbose=False)
+    module = LMModule(lora_model(tmp_path / "base"))
+    make_trainer([HFSaverCallback(fileroot=tmp_path, experiment_name="e", trial_name="t", user="u", freq_steps=16)],
+                 max_epochs=2).fit(module, token_loader())
+    (last,) = exports(tmp_path)
+    assert sorted(p.name for p in last.iterdir() if p.suffix in (".json", ".safetensors")) == \
+        ["adapter_config.json", "adapter_model.safetensors"]
