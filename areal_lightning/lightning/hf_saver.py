@@ -196,7 +196,8 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         return self.layout.model_dir(self.name)
 
     def resolve_model(self, pl_module: "pl.LightningModule") -> Any:
-        """Return the ``PreTrainedModel`` named by ``model_attr``; raise ``TypeError`` otherwise."""
+        """The model named by ``model_attr`` (a ``PreTrainedModel`` or ``peft.PeftModel``, unwrapped from
+        ``torch.compile``); ``TypeError`` otherwise."""
         from transformers import PreTrainedModel
 
         if callable(self.model_attr):
