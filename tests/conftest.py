@@ -63,6 +63,21 @@ class LMModule(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class Crash(Exception):
+    """Raised by :class:`CrashAt`: an in-process stand-in for a crash (a SIGKILL elsewhere)."""
+
+
+class CrashAt(pl.Callback):
+    """Raises :class:`Crash` at the end of the batch where ``global_step == step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")
+
+
 def token_loader(n_batches: int = 8, batch_size: int = 4, seq_len: int = 8, seed: int = 0) -> DataLoader:
     """A deterministic loader of random token ids."""
     g = torch.Generator().manual_seed(seed)

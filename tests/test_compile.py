@@ -12,11 +12,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from areal_lightning import HFSaverCallback, RecoverCallback
 from areal_lightning.capture.compiled import plain_name, uncompiled
-from tests.conftest import LMModule, make_trainer, tiny_llama, token_loader
+from tests.conftest import Crash, CrashAt, LMModule, make_trainer, tiny_llama, token_loader
 
 
 def compiled(model: torch.nn.Module) -> torch.nn.Module:
@@ -32,18 +31,6 @@ def test_uncompiled_finds_the_module_inside_torch_compile() -> None:
     names = {plain_name(k) for k in torch.nn.ModuleDict({"m": wrapped}).state_dict()}
     assert names == {f"m.{k}" for k in model.state_dict()}
 
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise Crash(self.step)
 
 
 def run(root: Path, compile_model: bool, crash_at: int | None = None, hf: bool = False) -> LMModule:

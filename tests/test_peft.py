@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from areal_lightning import HFSaverCallback, RecoverCallback
-from tests.conftest import LMModule, make_trainer, tiny_llama, token_loader
+from tests.conftest import Crash, CrashAt, LMModule, make_trainer, tiny_llama, token_loader
 
 peft = pytest.importorskip("peft")
 
@@ -42,18 +42,6 @@ def fit(root: Path, export: str | None, mode: str = "sync", crash_at: int | None
             make_trainer([CrashAt(crash_at), *callbacks], max_epochs=2).fit(module, token_loader())
     return module
 
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise Crash(self.step)
 
 
 def exports(root: Path) -> list[Path]:

@@ -28,7 +28,7 @@ from areal_lightning import (
 )
 from areal_lightning.commit.recover_store import INFO_FILES
 from areal_lightning.errors import RecoverMismatchError, TrialLockedError
-from tests.conftest import LMModule, tiny_llama, token_loader
+from tests.conftest import Crash, CrashAt, LMModule, tiny_llama, token_loader
 
 
 class Data(Dataset):
@@ -68,18 +68,6 @@ class Net(pl.LightningModule):
     def on_resume(self, trainer, step_info) -> None:
         self.resumed_with.append(step_info)
 
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise Crash(f"crash at step {self.step}")
 
 
 def recover(root: Path, **kwargs: Any) -> RecoverCallback:

@@ -100,20 +100,25 @@ def export_hf(
     Example:
         >>> export_hf(model, Path("out/epoch0epochstep9globalstep9"), tokenizer)  # doctest: +SKIP
     """
+    with _exporting(final_dir, tokenizer, tmp_dir) as tmp:
+        model.save_pretrained(tmp, state_dict=dict(state_dict) if state_dict is not None else None,
+                              max_shard_size=max_shard_size)
+    log.debug("exported HF checkpoint to %s", final_dir)
+    return final_dir
+
+
+@contextlib.contextmanager
+def _exporting(final_dir: Path, tokenizer: Any, tmp_dir: Path | None) -> Iterator[Path]:
+    """The temporary sibling to write an export into; after the block the tokenizer is saved and
+    the folder renamed into place; on any failure it is removed and the error propagates."""
     tmp = tmp_dir if tmp_dir is not None else prepare_tmp(final_dir)
     try:
         with _quiet_hf_progress():
-            model.save_pretrained(
-                tmp,
-                state_dict=dict(state_dict) if state_dict is not None else None,
-                max_shard_size=max_shard_size,
-            )
+            yield tmp
         finish_export(tmp, final_dir, tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.debug("exported HF checkpoint to %s", final_dir)
-    return final_dir
 
 
 def export_peft(
@@ -134,20 +139,14 @@ def export_peft(
     written with ``PeftModel.save_pretrained`` (``adapter_config.json`` +
     ``adapter_model.safetensors``), into the folder itself, or into ``adapter/`` when both are
     written. The tokenizer is saved with each."""
-    tmp = tmp_dir if tmp_dir is not None else prepare_tmp(final_dir)
-    try:
-        with _quiet_hf_progress():
-            if merged is not None:
-                model.get_base_model().save_pretrained(tmp, state_dict=dict(merged), max_shard_size=max_shard_size)
-            if adapter is not None:
-                folder = tmp / "adapter" if merged is not None else tmp
-                model.save_pretrained(folder, state_dict=dict(adapter), safe_serialization=True)
-                if merged is not None and tokenizer is not None:
-                    tokenizer.save_pretrained(folder)
-        finish_export(tmp, final_dir, tokenizer)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _exporting(final_dir, tokenizer, tmp_dir) as tmp:
+        if merged is not None:
+            model.get_base_model().save_pretrained(tmp, state_dict=dict(merged), max_shard_size=max_shard_size)
+        if adapter is not None:
+            folder = tmp / "adapter" if merged is not None else tmp
+            model.save_pretrained(folder, state_dict=dict(adapter), safe_serialization=True)
+            if merged is not None and tokenizer is not None:
+                tokenizer.save_pretrained(folder)
     log.debug("exported PEFT model to %s", final_dir)
     return final_dir
 
