@@ -572,6 +572,7 @@ def test_every_accessor_is_pinned_under_pytorch_lightning() -> None:
     """Every test of this module, under ``import pytorch_lightning`` (its own copies of the classes)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                            "-n", "0", __file__], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "AREAL_NAMESPACE": "pytorch_lightning"})
+                          cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "AREAL_NAMESPACE": "pytorch_lightning"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

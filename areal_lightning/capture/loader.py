@@ -84,7 +84,8 @@ def restores_itself(loader: Any) -> bool:
     loader whose sampler is stateful or deterministic. Under DDP Lightning wraps a
     ``StatefulDataLoader``'s sampler into a ``DistributedSamplerWrapper``, whose permutation
     the loader's state does not hold; such loaders are replayed like a plain ``DataLoader``."""
-    return is_stateful_loader(loader) and not isinstance(_index_sampler(loader), fabric_classes("utilities.distributed.DistributedSamplerWrapper"))
+    wrapper = fabric_classes("utilities.distributed.DistributedSamplerWrapper")
+    return is_stateful_loader(loader) and not isinstance(_index_sampler(loader), wrapper)
 
 
 def _resumable_subclass(cls: type) -> type:

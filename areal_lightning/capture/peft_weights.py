@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_peft", "adapter_tensors", "merged_state_dict", "base_model"]
+__all__ = ["is_peft", "adapter_tensors", "merged_state_dict"]
 
 
 def is_peft(model: Any) -> bool:
@@ -30,11 +30,6 @@ def is_peft(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def base_model(model: Any) -> Any:
-    """The ``PreTrainedModel`` a PEFT model wraps (its config and tied weights are the export's)."""
-    return model.get_base_model()
-
-
 def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
     """The entries of ``model.state_dict()`` that belong to its adapters (names with an adapter
     name as one segment, e.g. ``...lora_A.default.weight``): what ``PeftModel.save_pretrained``
@@ -44,24 +39,29 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
             if adapters.intersection(key.split("."))}
 
 
+def _lift(state: dict[str, torch.Tensor], prefix: str, inner: str) -> None:
+    """Replace the entries under ``prefix`` by those under ``prefix + inner``, renamed to
+    ``prefix + rest`` (a wrapper's chosen inner module takes the wrapper's place)."""
+    for key in [k for k in state if k.startswith(prefix)]:
+        value = state.pop(key)
+        rest = key[len(prefix):]
+        if rest.startswith(inner):
+            state[prefix + rest[len(inner):]] = value
+
+
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The base model's state dict with every active adapter merged in, as new tensors (the live
     weights are not changed). Raises ``TypeError`` for a tuner layer it cannot merge."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
-    base = base_model(model)
+    base = model.get_base_model()
     state = {key: value.detach() for key, value in base.state_dict().items()}
     for name, module in base.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, ModulesToSaveWrapper):
             active = module.active_adapters[0] if module.active_adapters else None
-            chosen = f"modules_to_save.{active}." if active in module.modules_to_save else "original_module."
-            for key in [k for k in state if k.startswith(prefix)]:
-                rest = key[len(prefix):]
-                value = state.pop(key)
-                if rest.startswith(chosen):
-                    state[prefix + rest[len(chosen):]] = value
+            _lift(state, prefix, f"modules_to_save.{active}." if active in module.modules_to_save else "original_module.")
         elif isinstance(module, BaseTunerLayer):
             delta = None
             if not module.merged:
@@ -73,11 +73,7 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
                     if adapter in getattr(module, "lora_A", {adapter: None}):
                         d = module.get_delta_weight(adapter).detach()
                         delta = d if delta is None else delta + d
-            for key in [k for k in state if k.startswith(prefix)]:
-                rest = key[len(prefix):]
-                value = state.pop(key)
-                if rest.startswith("base_layer."):
-                    state[prefix + rest[len("base_layer."):]] = value
+            _lift(state, prefix, "base_layer.")  # the adapter's own weights are dropped
             if delta is not None:
                 weight = state[prefix + "weight"]
                 state[prefix + "weight"] = (weight + delta.to(weight.dtype)).contiguous()

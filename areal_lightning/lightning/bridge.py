@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["install_bridge", "bridged", "is_bridged", "is_sharded", "warn_if_single_fsdp_unit", "SHARDED_STRATEGY_NAMES"]
+__all__ = ["install_bridge", "bridged", "is_bridged", "is_sharded", "warn_if_single_fsdp_unit",
+           "SHARDED_STRATEGY_NAMES"]
 
 _FSDP = classes("strategies.FSDPStrategy")
 _MODEL_PARALLEL = classes("strategies.ModelParallelStrategy")

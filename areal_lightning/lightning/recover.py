@@ -269,7 +269,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     def _watch_signals(self, trainer: "pl.Trainer") -> None:
         """Take over the preemption signals (now: Lightning registered its handlers just before)."""
         env = cluster_environment(trainer)
-        if isinstance(env, classes("plugins.environments.SLURMEnvironment")) and env.auto_requeue and env.requeue_signal is not None:
+        slurm = isinstance(env, classes("plugins.environments.SLURMEnvironment"))
+        if slurm and env.auto_requeue and env.requeue_signal is not None:
             self._requeue_signal = env.requeue_signal
             if self.preempt.signals and env.requeue_signal not in self.preempt.signals:
                 self.preempt.signals = (*self.preempt.signals, env.requeue_signal)

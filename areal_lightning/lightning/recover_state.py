@@ -326,7 +326,7 @@ def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str 
         STATS_LOGGER_INFO: {"loggers": [
             {"class": type(lg).__name__, "name": lg.name, "version": lg.version,
              "save_dir": str(lg.save_dir) if lg.save_dir else None} for lg in trainer.loggers],
-            "checkpoint_files": checkpoint_files(trainer)},
+            "checkpoint_files": checkpoint_files(trainer) if trainer.is_global_zero else {}},  # rank 0's is written
         DATALOADER_INFO: {"epoch": state.position.epoch, "batches_done": batches_done(trainer),
                           "at_epoch_boundary": boundary, "loaders": loaders},
         CHECKPOINT_INFO: {

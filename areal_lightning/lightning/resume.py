@@ -38,8 +38,8 @@ from areal_lightning.lightning._internals import (
 from areal_lightning.lightning.bridge import SHARDED_STRATEGY_NAMES, is_sharded
 from areal_lightning.namespaces import classes
 
-__all__ = ["ResumePlan", "plan_resume", "agreed_plan", "continue_user_files", "csv_snapshots", "restore_csv_logs", "checkpoint_files",
-           "model_checkpoints", "strategy_family"]
+__all__ = ["ResumePlan", "plan_resume", "agreed_plan", "continue_user_files", "csv_snapshots", "restore_csv_logs",
+           "checkpoint_files", "model_checkpoints", "strategy_family"]
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,8 @@ def _continue_wandb_run(trainer: Any, logger: Any, run_id: str) -> None:
     (it holds nothing yet). ``wandb sync`` of the offline folders of one id makes one run."""
     run = redirect_wandb(logger, run_id)
     folder = getattr(run, "dir", None) if run is not None else None
-    if trainer.is_global_zero and folder and getattr(getattr(run, "settings", None), "mode", None) in ("offline", "dryrun"):
+    offline = getattr(getattr(run, "settings", None), "mode", None) in ("offline", "dryrun")
+    if trainer.is_global_zero and folder and offline:
         shutil.rmtree(Path(folder).parent, ignore_errors=True)  # offline-run-<time>-<new id>/
     log.info("RecoverCallback: %s continues the W&B run %s", type(logger).__name__, run_id)
 
