@@ -99,7 +99,15 @@ from areal_lightning.capture.hf_weights import (
     meta_twin,
     split_for_dcp,
 )
-from areal_lightning.capture.peft_weights import adapter_tensors, is_peft, merged_state_dict
+from areal_lightning.capture.peft_weights import (
+    adapter_entries,
+    is_peft,
+    layer_merges,
+    loaded,
+    merged_state_dict,
+    peft_twin,
+    plain_state,
+)
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.config import DEFAULT_SHARDED_METHOD, SHARDED_METHODS
 from areal_lightning.errors import CheckpointWriteError, ConfigError
@@ -188,6 +196,7 @@ class HFExporter:
         self._own_ranks = ranks is None  # groups it made itself end with close()
         self._pending: str | None = None  # the folder of the export in flight (for messages)
         self._twin: tuple[Any, Any] | None = None  # (live model, its meta twin) for FSDP1
+        self._peft_twin: tuple[Any, Any] | None = None  # (live PEFT model, its peft_twin)
         self._closed = False
 
     @property
@@ -301,9 +310,7 @@ class HFExporter:
         (FSDP1: its full state dict, one unit at a time). Returns rank 0's write (``None``
         elsewhere)."""
         if is_peft(model):
-            if fsdp_root is not None or is_sharded(model):
-                raise TypeError("HF export of a PEFT model under FSDP is not supported yet; use DDP or one process")
-            return self._prepare_peft(model, final, tokenizer, lead)
+            return self._prepare_peft(model, final, tokenizer, lead, fsdp_root)
         if fsdp_root is not None:
             staged = fsdp1_state(fsdp_root, model, full=True)  # collective: training thread
         elif is_sharded(model):
@@ -318,20 +325,49 @@ class HFExporter:
         return lambda tmp: export_hf(writer, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size,
                                      tmp_dir=tmp)
 
-    def _prepare_peft(self, model: Any, final: Path, tokenizer: Any, lead: bool) -> Callable[[Path | None], Any] | None:
-        """A PEFT model (replicated): its adapter and/or its merged weights (``peft_export``),
-        computed on the training thread (host copies for an async export); rank 0 writes."""
+    def _prepare_peft(self, model: Any, final: Path, tokenizer: Any, lead: bool,
+                      fsdp_root: torch.nn.Module | None) -> Callable[[Path | None], Any] | None:
+        """A PEFT model, under any strategy: its state dict (adapter entries only for an adapter
+        export) is captured on the training thread: the live tensors (sync), a host copy
+        (async), or the full tensors gathered to rank 0 (FSDP1: one unit at a time; FSDP2: one
+        tensor at a time), whatever ``method``. Rank 0's write loads them into the model's
+        :func:`peft_twin` to compute the merged weights and ``save_pretrained`` the files."""
+        merged = self.peft_export in ("merged", "both")
+        adapters = list(model.peft_config)
+        if fsdp_root is not None:
+            frozen = any(not p.requires_grad for name, p in model.named_parameters()
+                         if set(adapters).intersection(name.split(".")))
+            state = fsdp1_state(fsdp_root, model, full=True, trainable_only=not merged and not frozen)  # collective
+        else:
+            live = model.state_dict()
+            live = live if merged else adapter_entries(live, adapters)
+            if is_sharded(model):
+                state = gather_to_host(live)  # collective: training thread
+            elif not lead:
+                state = None
+            elif self._worker is not None:
+                state = self._worker.stage_to_host(live)
+            else:
+                state = {key: value.detach() for key, value in live.items()}  # sync: read in place
         if not lead:
             return None
-        adapter = adapter_tensors(model) if self.peft_export in ("adapter", "both") else None
-        merged = merged_state_dict(model) if self.peft_export in ("merged", "both") else None
-        if self._worker is not None:
-            staged = self._worker.stage_to_host({**{f"a:{k}": v for k, v in (adapter or {}).items()},
-                                                 **{f"m:{k}": v for k, v in (merged or {}).items()}})
-            adapter = None if adapter is None else {k: staged[f"a:{k}"] for k in adapter}
-            merged = None if merged is None else {k: staged[f"m:{k}"] for k in merged}
-        return lambda tmp: export_peft(model, final, tokenizer, adapter=adapter, merged=merged,
-                                       max_shard_size=self.max_shard_size, tmp_dir=tmp)
+        assert state is not None
+        state = plain_state(state)
+        merges = layer_merges(model)
+        if self._peft_twin is None or self._peft_twin[0] is not model:
+            self._peft_twin = (model, peft_twin(model))
+        twin = self._peft_twin[1]
+
+        def write(tmp: Path | None) -> Any:
+            merged_state = None
+            if merged:
+                with loaded(twin, state, merges):
+                    merged_state = merged_state_dict(twin)
+            adapter = adapter_entries(state, adapters) if self.peft_export != "merged" else None
+            return export_peft(twin, final, tokenizer, adapter=adapter, merged=merged_state,
+                               max_shard_size=self.max_shard_size, tmp_dir=tmp)
+
+        return write
 
     def _writer_model(self, model: Any, fsdp_root: torch.nn.Module | None) -> Any:
         """The model ``save_pretrained`` is called on: the live one, or for FSDP1 its

@@ -3,6 +3,11 @@ or both; the live model is never changed (losses equal a run without exports).""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -100,26 +105,72 @@ def test_a_lora_run_resumes_exactly_with_exports_equal_to_the_uninterrupted_runs
             assert (a / name).read_bytes() == (b / name).read_bytes(), (b, name)
 
 
-@pytest.mark.slow
-def test_lora_exports_under_ddp_on_two_ranks(tmp_path) -> None:
-    """2-rank DDP (Lightning launches the second process), async exports of both kinds: the last
-    export gives the live model's logits after the last step, merged and as an adapter."""
-    import subprocess
-    import sys
+def run_script(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """``tests/scripts/train_peft.py`` into ``root`` (Lightning launches the other ranks)."""
+    script = Path(__file__).parent / "scripts" / "train_peft.py"
+    # peft writes the set target_modules in hash order: one hash seed makes configs comparable.
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    return subprocess.run([sys.executable, str(script), "--root", str(root), *args], capture_output=True, text=True,
+                          timeout=300, cwd=root.parent, env=env)
 
+
+def step_losses(root: Path, rank: int) -> dict[int, str]:
+    """Each step's loss (hex) on ``rank``; a step done again after a kill: its last value."""
+    lines = (root / f"losses.rank{rank}").read_text().splitlines()
+    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "devices", "export", "mode", "kill"), [
+    ("ddp", 1, "both", "async", 10),
+    ("ddp", 2, "both", "async", 10),
+    ("fsdp1", 2, "both", "sync", 10),
+    ("fsdp2", 2, "both", "async", 6),
+    ("fsdp1", 2, "adapter", "async", None),
+    ("fsdp2", 2, "merged", "sync", None),
+])
+def test_lora_exports_on_every_strategy_and_a_sigkilled_run_continues_exactly(tmp_path, strategy, devices, export,
+                                                                              mode, kill) -> None:
+    """A LoRA Llama (frozen base) on one process, or on 2 ranks under DDP, FSDP1 (use_orig_params)
+    and FSDP2 (fully_shard): the last export loads the standard way and gives the live model's
+    logits after the last step (FSDP: merged from the full tensors gathered to rank 0). With
+    ``kill``: every rank is SIGKILLed after that step and the same command started again: each
+    step's loss on each rank and every export file are byte-for-byte the uninterrupted run's."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
-    script = Path(__file__).parent / "scripts" / "train_peft.py"
-    proc = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--devices", "2", "--mode", "async",
-                           "--export", "both"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    args = ("--strategy", strategy, "--devices", str(devices), "--export", export, "--mode", mode)
+    ref = tmp_path / "ref"
+    proc = run_script(ref, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = exports(tmp_path)[-1]
-    assert last.name.endswith("globalstep15")
-    live = torch.load(tmp_path / "live_logits.pt")
-    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(last)), live, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(last / "adapter")), live,
-                               rtol=1e-6, atol=1e-6)
+    steps = 32 // devices  # 2 epochs of 16 batches, split between the ranks
+    last = exports(ref)[-1]
+    assert last.name.endswith(f"globalstep{steps - 1}")
+    live = torch.load(ref / "live_logits.pt")
+    if export in ("merged", "both"):
+        torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(last)), live, rtol=1e-5, atol=1e-5)
+    if export in ("adapter", "both"):
+        folder = last / "adapter" if export == "both" else last
+        torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(folder)), live,
+                                   rtol=1e-6, atol=1e-6)
+    if kill is None:
+        return
+    run = tmp_path / "run"
+    proc = run_script(run, *args, "--kill-at-step", str(kill))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    proc = run_script(run, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(devices):
+        assert step_losses(run, rank) == step_losses(ref, rank)
+        assert len((run / f"losses.rank{rank}").read_text().splitlines()) > steps  # steps were done again
+    assert [p.name for p in exports(run)] == [p.name for p in exports(ref)]
+    for a, b in zip(exports(ref), exports(run)):
+        files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+        for name in files:  # (the adapter's config and model card name the base model's folder)
+            want = (a / name).read_bytes().replace(bytes(ref), bytes(run))
+            assert (b / name).read_bytes() == want, (b, name)
+    assert (run / "live_logits.pt").read_bytes() == (ref / "live_logits.pt").read_bytes()
 
 
 def test_a_peft_model_is_exported_by_default_as_its_adapter(tmp_path) -> None:

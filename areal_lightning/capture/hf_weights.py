@@ -117,7 +117,7 @@ def _prefix_in(root: torch.nn.Module, model: torch.nn.Module) -> str:
 
 
 @torch.no_grad()
-def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, Any] | None:
+def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool, trainable_only: bool = False) -> dict[str, Any] | None:
     """The export weights of ``model`` (a submodule of the FSDP1 ``root``), keyed like
     ``model.state_dict()``, without tied aliases. Collective: every rank must call it.
 
@@ -127,7 +127,8 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, A
     and the other ranks drop it. Returns the full tensors on rank 0 (never aliasing live
     weights) and ``None`` elsewhere.
     ``full=False``: this rank's ``ShardedTensor`` shards (FSDP1's sharded state dict), for
-    the ``"dcp"`` method."""
+    the ``"dcp"`` method. ``trainable_only``: without frozen parameters (e.g. a LoRA adapter's
+    export: the frozen base is neither gathered nor returned)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -138,7 +139,7 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, A
     # with torch 2.13 on CPU/gloo), and on CPU the full tensors are host memory anyway.
     compute = getattr(root, "compute_device", None)  # FSDP1's device (parameters may be offloaded to CPU)
     on_device = compute.type != "cpu" if compute is not None else any(p.device.type != "cpu" for p in root.parameters())
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(root, options=options)
     if full and dist.get_rank() != 0:
         return None
@@ -155,12 +156,16 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool) -> dict[str, A
 def meta_twin(model: Any) -> Any:
     """A parameter-less twin of a ``PreTrainedModel`` (same class, config, generation config
     and dtype; parameters on the ``meta`` device) for ``save_pretrained(state_dict=...)`` in a
-    background thread. FSDP1 (``use_orig_params=True``) swaps the live model's parameters
+    background thread (of the model's own class when FSDP2 ``fully_shard`` changed it). FSDP1
+    (``use_orig_params=True``) swaps the live model's parameters
     for plain tensors during forward and backward, so a background ``save_pretrained`` of
     the live model would see no parameters (``model.dtype`` raises ``StopIteration``)."""
+    from torch.distributed.fsdp import FSDPModule
+
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2's FSDP<Class>: <Class>
     with torch.device("meta"):
-        twin = type(model)(copy.deepcopy(model.config))
+        twin = cls(copy.deepcopy(model.config))
     twin.to(dtype=dtype)
     if getattr(model, "generation_config", None) is not None:
         twin.generation_config = copy.deepcopy(model.generation_config)

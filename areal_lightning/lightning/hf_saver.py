@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 
 from areal_lightning.capture.compiled import uncompiled
 from areal_lightning.capture.hf_weights import fsdp1_root
-from areal_lightning.capture.peft_weights import is_peft
+from areal_lightning.capture.peft_weights import check_exportable, is_peft
 from areal_lightning.collective import (
     DEFAULT_TIMEOUT_S,
     CheckpointGroup,
@@ -214,7 +214,13 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                 ) from None
             where = f"attribute {self.model_attr!r}"
         model = uncompiled(model)  # torch.compile's OptimizedModule: the model it wraps
-        if not isinstance(model, PreTrainedModel) and not is_peft(model):
+        if is_peft(model):
+            try:
+                check_exportable(model)
+            except TypeError as exc:
+                raise TypeError(f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__}: "
+                                f"{exc}") from None
+        elif not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__} is a "
                 f"{type(model).__name__}, not a transformers.PreTrainedModel (supported: a PreTrainedModel or a "

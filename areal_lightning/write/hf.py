@@ -135,7 +135,7 @@ def export_peft(
 
     ``merged`` (the base model's names, adapters merged in): written with the base model's
     ``save_pretrained`` (``config.json`` + safetensors), loadable with ``AutoModelForCausalLM``.
-    ``adapter`` (the model's adapter entries, see ``capture.peft_weights.adapter_tensors``):
+    ``adapter`` (the model's adapter entries, see ``capture.peft_weights.adapter_entries``):
     written with ``PeftModel.save_pretrained`` (``adapter_config.json`` +
     ``adapter_model.safetensors``), into the folder itself, or into ``adapter/`` when both are
     written. The tokenizer is saved with each."""
