@@ -105,6 +105,7 @@ from areal_lightning.capture.peft_weights import (
     layer_merges,
     loaded,
     merged_state_dict,
+    over_pretrained,
     peft_twin,
     plain_state,
 )
@@ -355,7 +356,8 @@ class HFExporter:
         state = plain_state(state)
         merges = layer_merges(model)
         if self._peft_twin is None or self._peft_twin[0] is not model:
-            self._peft_twin = (model, peft_twin(model))
+            # A PEFT model over a plain module (adapter exports only) is written by itself.
+            self._peft_twin = (model, peft_twin(model) if over_pretrained(model) else model)
         twin = self._peft_twin[1]
 
         def write(tmp: Path | None) -> Any:

@@ -44,6 +44,14 @@ CASES: dict[str, dict[str, Any]] = {
                                         "max_shard_size": 30_000},
     "fsdp1_dcp_sync_llama_int_buffers": {"strategy": "fsdp1", "arch": "llama", "mode": "sync", "method": "dcp",
                                          "extra_buffers": True},
+    # torch.compile after sharding: the export is of the plain model (FSDP1's state-dict keys
+    # leave out _orig_mod; the two FSDP1 methods read different state dicts)
+    "fsdp_gather_sync_llama_compiled": {"strategy": "fsdp", "arch": "llama", "mode": "sync", "method": "gather",
+                                        "compiled": True},
+    "fsdp1_gather_sync_llama_compiled": {"strategy": "fsdp1", "arch": "llama", "mode": "sync", "method": "gather",
+                                         "compiled": True},
+    "fsdp1_dcp_async_llama_compiled": {"strategy": "fsdp1", "arch": "llama", "mode": "async", "method": "dcp",
+                                       "compiled": True},
     "ddp_sync_llama": {"strategy": "ddp", "arch": "llama", "mode": "sync"},
     "ddp_async_gpt2": {"strategy": "ddp", "arch": "gpt2", "mode": "async"},
     # last: a failure in rank 0's background write must be raised on both ranks

@@ -20,22 +20,28 @@ from tests.conftest import Crash, CrashAt, LMModule, make_trainer, tiny_llama, t
 peft = pytest.importorskip("peft")
 
 
-def lora_model(base_dir: Path) -> torch.nn.Module:
-    """A LoRA Llama on a base saved in ``base_dir`` (so the adapter names a loadable base)."""
+def lora_model(base_dir: Path, compiled: str | None = None) -> torch.nn.Module:
+    """A LoRA Llama on a base saved in ``base_dir`` (so the adapter names a loadable base).
+    ``compiled``: ``"base"`` (``get_peft_model(torch.compile(base))``) or ``"peft"``
+    (``torch.compile(get_peft_model(base))``); the eager backend (see tests/test_compile.py)."""
     from transformers import AutoModelForCausalLM
 
     if not base_dir.exists():
         tiny_llama().save_pretrained(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir)
+    if compiled == "base":
+        base = torch.compile(base, backend="eager")
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
                              init_lora_weights="gaussian")
-    return peft.get_peft_model(base, config)
+    model = peft.get_peft_model(base, config)
+    return torch.compile(model, backend="eager") if compiled == "peft" else model
 
 
-def fit(root: Path, export: str | None, mode: str = "sync", crash_at: int | None = None) -> LMModule:
+def fit(root: Path, export: str | None, mode: str = "sync", crash_at: int | None = None,
+        compiled: str | None = None) -> LMModule:
     pl.seed_everything(0, verbose=False)
-    module = LMModule(lora_model(root.parent / "base"))
+    module = LMModule(lora_model(root.parent / "base", compiled))
     where = dict(fileroot=root, experiment_name="e", trial_name="t", user="u")
     callbacks: list = [RecoverCallback(**where, freq_steps=4)]
     if export is not None:
@@ -120,28 +126,48 @@ def step_losses(root: Path, rank: int) -> dict[int, str]:
     return {row["step"]: row["loss"] for row in map(json.loads, lines)}
 
 
+@pytest.mark.parametrize("compiled", ["base", "peft"])
+def test_a_compiled_lora_model_exports_and_resumes_uncompiled_with_the_plain_runs_exports(tmp_path, compiled) -> None:
+    """``torch.compile`` inside the PEFT model (its base) or around it: exports and recover
+    checkpoints use the plain names. A compiled run crashes after step 10 and is resumed
+    uncompiled: the losses continue the plain run's, and every export (steps 4 and 8 from the
+    compiled model, 12 and 16 from the plain one) is byte-for-byte the plain run's (the adapter
+    names the same base folder and loads onto a plain base)."""
+    want = fit(tmp_path / "ref", "both", "async")
+    fit(tmp_path / "run", "both", "async", crash_at=10, compiled=compiled)
+    got = fit(tmp_path / "run", "both", "async")
+    assert got.losses == want.losses[-len(got.losses):] and len(got.losses) == 8  # resumed after step 8
+    ref, run = exports(tmp_path / "ref"), exports(tmp_path / "run")
+    assert [p.name for p in run] == [p.name for p in ref]
+    for a, b in zip(ref, run):
+        for name in ("model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), (b, name)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "devices", "export", "mode", "kill"), [
-    ("ddp", 1, "both", "async", 10),
-    ("ddp", 2, "both", "async", 10),
-    ("fsdp1", 2, "both", "sync", 10),
-    ("fsdp2", 2, "both", "async", 6),
-    ("fsdp1", 2, "adapter", "async", None),
-    ("fsdp2", 2, "merged", "sync", None),
+@pytest.mark.parametrize(("strategy", "devices", "export", "mode", "kill", "compiled"), [
+    ("ddp", 1, "both", "async", 10, False),
+    ("ddp", 2, "both", "async", 10, False),
+    ("fsdp1", 2, "both", "sync", 10, False),
+    ("fsdp2", 2, "both", "async", 6, True),
+    ("fsdp1", 2, "adapter", "async", None, True),
+    ("fsdp2", 2, "merged", "sync", None, False),
 ])
 def test_lora_exports_on_every_strategy_and_a_sigkilled_run_continues_exactly(tmp_path, strategy, devices, export,
-                                                                              mode, kill) -> None:
+                                                                              mode, kill, compiled) -> None:
     """A LoRA Llama (frozen base) on one process, or on 2 ranks under DDP, FSDP1 (use_orig_params)
     and FSDP2 (fully_shard): the last export loads the standard way and gives the live model's
     logits after the last step (FSDP: merged from the full tensors gathered to rank 0). With
     ``kill``: every rank is SIGKILLed after that step and the same command started again: each
-    step's loss on each rank and every export file are byte-for-byte the uninterrupted run's."""
+    step's loss on each rank and every export file are byte-for-byte the uninterrupted run's.
+    ``compiled``: the model is ``torch.compile``d after sharding (with ``kill``: in the killed run
+    only; the rerun and the reference are not)."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
     args = ("--strategy", strategy, "--devices", str(devices), "--export", export, "--mode", mode)
     ref = tmp_path / "ref"
-    proc = run_script(ref, *args)
+    proc = run_script(ref, *args, *(("--compile",) if compiled and kill is None else ()))
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = 32 // devices  # 2 epochs of 16 batches, split between the ranks
     last = exports(ref)[-1]
@@ -156,7 +182,7 @@ def test_lora_exports_on_every_strategy_and_a_sigkilled_run_continues_exactly(tm
     if kill is None:
         return
     run = tmp_path / "run"
-    proc = run_script(run, *args, "--kill-at-step", str(kill))
+    proc = run_script(run, *args, "--kill-at-step", str(kill), *(("--compile",) if compiled else ()))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     proc = run_script(run, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -183,3 +209,46 @@ def test_a_peft_model_is_exported_by_default_as_its_adapter(tmp_path) -> None:
     (last,) = exports(tmp_path)
     assert sorted(p.name for p in last.iterdir() if p.suffix in (".json", ".safetensors")) == \
         ["adapter_config.json", "adapter_model.safetensors"]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class LoRAOverMLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = peft.get_peft_model(MLP(), peft.LoraConfig(r=2, target_modules=["lin"], init_lora_weights="gaussian"))
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(ids[:, :4].float() / 16).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_peft_model_over_a_plain_module_exports_its_adapter_and_its_merged_export_is_refused(tmp_path) -> None:
+    """An adapter over a plain ``nn.Module`` is saved as ``peft`` saves it (``PeftModel.from_pretrained``
+    on a fresh module gives the live outputs); a merged export has no config or class to be
+    written with: refused at setup (before the first step), saying what was found and what is
+    supported."""
+    where = dict(fileroot=tmp_path, experiment_name="e", trial_name="t", user="u")
+    module = LoRAOverMLP()
+    make_trainer([HFSaverCallback(**where, freq_steps=16)], max_epochs=2).fit(module, token_loader())
+    (last,) = exports(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(MLP(), last)
+    probe = torch.arange(8.0).view(2, 4)
+    torch.testing.assert_close(loaded(probe), module.model(probe))
+
+    saver = HFSaverCallback(**{**where, "fileroot": tmp_path / "merged"}, freq_steps=1, peft_export="both")
+    with pytest.raises(TypeError, match=r"attribute 'model' of LoRAOverMLP: the PeftModel wraps a MLP, not a "
+                                        r"transformers.PreTrainedModel, so it has no merged HF export \(supported: "):
+        make_trainer([saver], max_epochs=1).fit(LoRAOverMLP(), token_loader())
+    assert not (tmp_path / "merged" / "checkpoints").exists()

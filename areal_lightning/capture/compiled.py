@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["is_compiled", "uncompiled", "plain_name", "live_names"]
+__all__ = ["COMPILED_SEGMENT", "is_compiled", "uncompiled", "plain_name", "live_names"]
 
-_SEGMENT = "_orig_mod"
+COMPILED_SEGMENT = "_orig_mod"
 
 
 def is_compiled(module: Any) -> bool:
     """Whether ``module`` is torch's ``OptimizedModule`` (what ``torch.compile`` returns)."""
-    return type(module).__name__ == "OptimizedModule" and hasattr(module, _SEGMENT)
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, COMPILED_SEGMENT)
 
 
 def uncompiled(module: Any) -> Any:
@@ -32,7 +32,7 @@ def uncompiled(module: Any) -> Any:
 
 def plain_name(name: str) -> str:
     """A state-dict key without the ``_orig_mod.`` segments ``torch.compile`` adds."""
-    return ".".join(part for part in name.split(".") if part != _SEGMENT)
+    return ".".join(part for part in name.split(".") if part != COMPILED_SEGMENT)
 
 
 def live_names(saved: dict[str, Any], live: Iterable[str]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from areal_lightning.capture.compiled import COMPILED_SEGMENT
 from areal_lightning.errors import CheckpointWriteError
 
 __all__ = ["is_sharded", "export_state_dict", "gather_to_host", "fsdp1_root", "fsdp1_state", "meta_twin", "split_for_dcp"]
@@ -104,7 +105,9 @@ def fsdp1_root(module: Any) -> torch.nn.Module | None:
     return module if isinstance(module, FullyShardedDataParallel) else None
 
 
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# Module-tree segments that torch's state-dict FQNs leave out (FSDP1, activation checkpointing,
+# torch.compile's OptimizedModule).
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", COMPILED_SEGMENT)
 
 
 def _prefix_in(root: torch.nn.Module, model: torch.nn.Module) -> str:
@@ -145,6 +148,8 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool, trainable_only
         return None
     prefix = _prefix_in(root, model)
     own = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    if not own:
+        raise CheckpointWriteError(f"FSDP1 state dict: no entry under {prefix!r} (keys such as {next(iter(state), None)!r})")
     if full:
         live = {t.untyped_storage().data_ptr() for t in itertools.chain(root.parameters(), root.buffers()) if t.numel()}
         for key, value in own.items():

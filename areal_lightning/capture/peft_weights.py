@@ -29,7 +29,7 @@ import torch
 from areal_lightning.capture.compiled import plain_name, uncompiled
 from areal_lightning.errors import CheckpointWriteError
 
-__all__ = ["is_peft", "check_exportable", "adapter_entries", "plain_state", "peft_twin", "layer_merges", "loaded", "merged_state_dict"]
+__all__ = ["is_peft", "over_pretrained", "check_exportable", "adapter_entries", "plain_state", "peft_twin", "layer_merges", "loaded", "merged_state_dict"]
 
 
 def is_peft(model: Any) -> bool:
@@ -41,15 +41,22 @@ def is_peft(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def check_exportable(model: Any) -> None:
-    """``TypeError`` unless the PEFT ``model`` wraps a ``transformers.PreTrainedModel`` (also
-    ``torch.compile``d): its config and class make the twin and the merged export."""
+def over_pretrained(model: Any) -> bool:
+    """Whether the PEFT ``model`` wraps a ``transformers.PreTrainedModel`` (also ``torch.compile``d)."""
     from transformers import PreTrainedModel
 
-    base = uncompiled(model.get_base_model())
-    if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"the PeftModel wraps a {type(base).__name__}, not a transformers.PreTrainedModel "
-                        "(supported: a PeftModel over a PreTrainedModel, also torch.compile'd)")
+    return isinstance(uncompiled(model.get_base_model()), PreTrainedModel)
+
+
+def check_exportable(model: Any, merged: bool) -> None:
+    """``TypeError`` for a merged export of a PEFT ``model`` that does not wrap a
+    ``transformers.PreTrainedModel``: no config or class to write full weights with (its
+    adapter exports as ``peft`` saves any adapter)."""
+    if merged and not over_pretrained(model):
+        raise TypeError(f"the PeftModel wraps a {type(uncompiled(model.get_base_model())).__name__}, not a "
+                        "transformers.PreTrainedModel, so it has no merged HF export (supported: a merged "
+                        "export of a PeftModel over a PreTrainedModel, also torch.compile'd; or "
+                        "peft_export='adapter' for any PeftModel)")
 
 
 def adapter_entries(state: Mapping[str, torch.Tensor], adapters: Any) -> dict[str, torch.Tensor]:

@@ -216,7 +216,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         model = uncompiled(model)  # torch.compile's OptimizedModule: the model it wraps
         if is_peft(model):
             try:
-                check_exportable(model)
+                check_exportable(model, merged=self.peft_export != "adapter")
             except TypeError as exc:
                 raise TypeError(f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__}: "
                                 f"{exc}") from None

@@ -9,13 +9,14 @@ each case is one ``trainer.fit`` on 2 CPU ranks (gloo), run in order in the same
 
     {"strategy": "fsdp" | "fsdp1" | "ddp", "arch": "llama" | "gpt2", "mode": "sync" | "async",
      "method": "gather" | "dcp", "max_shard_size": int | null, "max_keep": int | null,
-     "extra_buffers": bool, "fault": "point[@N]" | null}
+     "extra_buffers": bool, "compiled": bool, "fault": "point[@N]" | null}
 
 ``fsdp`` is Lightning's ``ModelParallelStrategy`` with ``fully_shard`` applied to every
 decoder layer and to the model root in ``configure_model``; ``fsdp1`` is Lightning's
 ``FSDPStrategy`` (torch FSDP1, on CPU through ``tests/fsdp1_cpu.py``) auto-wrapping every
 decoder layer; ``extra_buffers`` registers
-persistent int64, bool and 0-dim buffers (which DCP cannot consolidate). For case ``i`` rank
+persistent int64, bool and 0-dim buffers (which DCP cannot consolidate); ``compiled``
+``torch.compile``s the model in ``configure_model`` (after sharding; eager backend). For case ``i`` rank
 0 writes ``DIR/case{i}/ref/step{G}.safetensors``: the full weights after global step G
 (0-based), gathered in the same run, after the export of that step was taken. Every rank
 writes ``DIR/case{i}/rank{r}.json``: whether the fit raised (type and message), what
@@ -43,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from areal_lightning import HFSaverCallback
 from areal_lightning._fault import ENV_VAR, reset_fault_counts
+from areal_lightning.capture.compiled import plain_name
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -77,25 +79,26 @@ def decoder_layers(model: Any) -> Any:
 
 
 class LM(pl.LightningModule):
-    def __init__(self, arch: str, fsdp: bool, extra_buffers: bool) -> None:
+    def __init__(self, arch: str, fsdp: bool, extra_buffers: bool, compiled: bool = False) -> None:
         super().__init__()
         from areal_lightning.tools.demo import build_tokenizer
 
         self.model = build_model(arch)
         self.tokenizer = build_tokenizer()
-        self.fsdp = fsdp
+        self.fsdp, self.compiled = fsdp, compiled
         if extra_buffers:
             add_extra_buffers(self.model)
 
     def configure_model(self) -> None:
-        if not self.fsdp:
-            return
-        from torch.distributed.fsdp import fully_shard
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
 
-        mesh = self.device_mesh["data_parallel"]
-        for layer in decoder_layers(self.model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            mesh = self.device_mesh["data_parallel"]
+            for layer in decoder_layers(self.model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        if self.compiled:
+            self.model = torch.compile(self.model, backend="eager")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch
@@ -125,7 +128,7 @@ class Reference(pl.Callback):
             state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
             state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
         else:
-            state = pl_module.model.state_dict()
+            state = {plain_name(k): v for k, v in pl_module.model.state_dict().items()}  # (torch.compile)
         full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone().contiguous()
                 for k, v in state.items()}
         if trainer.is_global_zero:
@@ -180,7 +183,7 @@ def run_case(index: int, case: dict[str, Any], out: Path) -> None:
                          callbacks=[saver, Reference(folder / "ref")])
     result: dict[str, Any] = {"error": None, "error_type": None}
     try:
-        trainer.fit(LM(case["arch"], fsdp, case.get("extra_buffers", False)), data)
+        trainer.fit(LM(case["arch"], fsdp, case.get("extra_buffers", False), case.get("compiled", False)), data)
     except BaseException as exc:  # reported, then the next case runs
         result.update(error=f"{exc}\n{traceback.format_exc()[-3000:]}", error_type=type(exc).__name__)
     finally:

@@ -2,13 +2,14 @@
 on one process or on 2 CPU ranks (gloo; Lightning starts the second rank).
 
     python tests/scripts/train_peft.py --root DIR [--devices 2] [--strategy ddp|fsdp1|fsdp2]
-        [--export adapter|merged|both] [--mode sync|async] [--kill-at-step N]
+        [--export adapter|merged|both] [--mode sync|async] [--kill-at-step N] [--compile]
 
 ``fsdp1`` is Lightning's ``FSDPStrategy`` (``tests/fsdp1_cpu``, ``use_orig_params=True``, one
 unit per decoder layer); ``fsdp2`` is ``ModelParallelStrategy`` with ``fully_shard`` on every
 decoder layer and on the PEFT model (``configure_model``). Each rank appends one JSON line per
 optimizer step to ``DIR/losses.rank{r}`` (``{"step", "loss" (hex)}``). ``--kill-at-step N``
-SIGKILLs every rank at the end of step N (before that step's saves). The validation after each
+SIGKILLs every rank at the end of step N (before that step's saves). ``--compile``:
+``torch.compile`` the PEFT model in ``configure_model`` (after FSDP2's sharding). The validation after each
 epoch (every rank takes part under FSDP) writes on rank 0 ``DIR/live_logits.pt``: the live
 model's logits on a fixed input after the epoch's last step, of which the last export is.
 """
@@ -39,19 +40,20 @@ PROBE = torch.arange(3, 11).view(1, 8)
 
 
 class LoRAModule(LMModule):
-    def __init__(self, model: torch.nn.Module, losses: Path, fsdp2: bool) -> None:
+    def __init__(self, model: torch.nn.Module, losses: Path, fsdp2: bool, compiled: bool) -> None:
         super().__init__(model)
-        self.losses_path, self.fsdp2 = losses, fsdp2
+        self.losses_path, self.fsdp2, self.compiled = losses, fsdp2, compiled
 
     def configure_model(self) -> None:
-        if not self.fsdp2:
-            return
-        from torch.distributed.fsdp import fully_shard
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
 
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.model.get_base_model().model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.get_base_model().model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        if self.compiled:  # after sharding, as torch recommends (eager backend: see tests/test_compile.py)
+            self.model = torch.compile(self.model, backend="eager")
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -102,6 +104,7 @@ def main() -> None:
     p.add_argument("--export", default="both")
     p.add_argument("--mode", default="sync")
     p.add_argument("--kill-at-step", type=int)
+    p.add_argument("--compile", action="store_true")
     args = p.parse_args()
     root = Path(args.root)
     base_dir = root / "base"
@@ -124,7 +127,7 @@ def main() -> None:
                                                 lora_dropout=0.1, init_lora_weights="gaussian"))
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randint(3, 16, (32, 8), generator=g)), batch_size=2)
-    module = LoRAModule(model, root / "losses", fsdp2=args.strategy == "fsdp2")
+    module = LoRAModule(model, root / "losses", fsdp2=args.strategy == "fsdp2", compiled=args.compile)
     trainer.fit(module, data, DataLoader(TensorDataset(PROBE)))
 
 
