@@ -179,7 +179,13 @@ def test_lora_exports_on_every_strategy_and_a_sigkilled_run_continues_exactly(tm
         folder = last / "adapter" if export == "both" else last
         torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(folder)), live,
                                    rtol=1e-6, atol=1e-6)
-    if kill is None:
+    if kill is None:  # the live model is not changed by the exports: the losses of a run without them
+        plain = tmp_path / "plain"
+        proc = run_script(plain, *args[:4], "--export", "none", *(("--compile",) if compiled else ()))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert exports(plain) == []
+        for rank in range(devices):
+            assert step_losses(plain, rank) == step_losses(ref, rank)
         return
     run = tmp_path / "run"
     proc = run_script(run, *args, "--kill-at-step", str(kill), *(("--compile",) if compiled else ()))
@@ -199,16 +205,26 @@ def test_lora_exports_on_every_strategy_and_a_sigkilled_run_continues_exactly(tm
     assert (run / "live_logits.pt").read_bytes() == (ref / "live_logits.pt").read_bytes()
 
 
-def test_a_peft_model_is_exported_by_default_as_its_adapter(tmp_path) -> None:
+def test_a_peft_model_is_exported_by_default_as_its_adapter_with_max_keep_and_telemetry(tmp_path) -> None:
     """No PEFT setting: ``HFSaverCallback`` takes the PeftModel (it was refused as "not a
-    PreTrainedModel") and writes the adapter, as ``PeftModel.save_pretrained`` would."""
+    PreTrainedModel") and writes the adapter, as ``PeftModel.save_pretrained`` would; ``max_keep``
+    prunes the older exports and each export reaches the loggers (``checkpoint/hf/*``)."""
+    import csv
+
     pl.seed_everything(0, verbose=False)
     module = LMModule(lora_model(tmp_path / "base"))
-    make_trainer([HFSaverCallback(fileroot=tmp_path, experiment_name="e", trial_name="t", user="u", freq_steps=16)],
-                 max_epochs=2).fit(module, token_loader())
-    (last,) = exports(tmp_path)
-    assert sorted(p.name for p in last.iterdir() if p.suffix in (".json", ".safetensors")) == \
-        ["adapter_config.json", "adapter_model.safetensors"]
+    saver = HFSaverCallback(fileroot=tmp_path, experiment_name="e", trial_name="t", user="u", freq_steps=4, max_keep=2)
+    logger = pl.loggers.CSVLogger(tmp_path / "logs", name="", version=0)
+    make_trainer([saver], max_epochs=2, logger=logger).fit(module, token_loader())
+    assert [p.name for p in exports(tmp_path)] == ["epoch1epochstep3globalstep11", "epoch1epochstep7globalstep15"]
+    for folder in exports(tmp_path):
+        assert sorted(p.name for p in folder.iterdir() if p.suffix in (".json", ".safetensors")) == \
+            ["adapter_config.json", "adapter_model.safetensors"]
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("checkpoint/hf/bytes")]
+    assert [int(row["step"]) for row in rows] == [4, 8, 12, 16]
+    size = sum(p.stat().st_size for p in exports(tmp_path)[-1].rglob("*") if p.is_file())
+    assert float(rows[-1]["checkpoint/hf/bytes"]) == size
 
 
 class MLP(torch.nn.Module):

@@ -2,7 +2,7 @@
 on one process or on 2 CPU ranks (gloo; Lightning starts the second rank).
 
     python tests/scripts/train_peft.py --root DIR [--devices 2] [--strategy ddp|fsdp1|fsdp2]
-        [--export adapter|merged|both] [--mode sync|async] [--kill-at-step N] [--compile]
+        [--export adapter|merged|both|none] [--mode sync|async] [--kill-at-step N] [--compile]
 
 ``fsdp1`` is Lightning's ``FSDPStrategy`` (``tests/fsdp1_cpu``, ``use_orig_params=True``, one
 unit per decoder layer); ``fsdp2`` is ``ModelParallelStrategy`` with ``fully_shard`` on every
@@ -113,8 +113,9 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     where = dict(fileroot=root, experiment_name="e", trial_name="t", user="u")
     callbacks: list = [KillAt(args.kill_at_step)] if args.kill_at_step else []
-    callbacks += [RecoverCallback(**where, freq_steps=4),
-                  HFSaverCallback(**where, freq_steps=4, mode=args.mode, peft_export=args.export)]
+    callbacks.append(RecoverCallback(**where, freq_steps=4))
+    if args.export != "none":
+        callbacks.append(HFSaverCallback(**where, freq_steps=4, mode=args.mode, peft_export=args.export))
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=args.devices,
                          strategy=strategy(args.strategy, args.devices), logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
