@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 from typing import Any
 
@@ -68,13 +69,16 @@ class Crash(Exception):
 
 
 class CrashAt(pl.Callback):
-    """Raises :class:`Crash` at the end of the batch where ``global_step == step``."""
+    """Raises :class:`Crash` at the end of the batch where ``global_step == step`` (put it before
+    the checkpoint callbacks: it fires before that step's saves)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, kill: bool = False) -> None:
+        self.step, self.kill = step, kill
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
+            if self.kill:  # a real crash: this process is SIGKILLed
+                os.kill(os.getpid(), signal.SIGKILL)
             raise Crash(f"crash at step {self.step}")
 
 

@@ -90,6 +90,26 @@ def test_lora_exports_load_the_standard_way_and_leave_training_unchanged(tmp_pat
     assert not any(getattr(m, "merged", False) for m in module.model.modules())  # never merged in place
 
 
+@pytest.mark.parametrize("kind", ["dora", "ia3"])
+def test_a_merged_export_of_an_adapter_that_cannot_be_merged_is_refused_before_training(tmp_path, kind) -> None:
+    """DoRA (its merge rescales the weight) and IA3 (no weight delta): the merged export is refused
+    at setup, naming the layer and what is supported; the adapter export works for both."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama().save_pretrained(tmp_path / "base")
+    config = (peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True) if kind == "dora" else
+              peft.IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    where = dict(fileroot=tmp_path, experiment_name="e", trial_name="t", user="u", freq_steps=4)
+    module = LMModule(peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), config))
+    with pytest.raises(TypeError, match=rf"merged export: the {'DoRA' if kind == 'dora' else 'ia3'} Linear layer "
+                                        r"'model.layers.0.self_attn.q_proj' \(adapter 'default'\) cannot be merged on "
+                                        r"the fly; supported: adapters that add a weight delta"):
+        make_trainer([HFSaverCallback(**where, peft_export="both")]).fit(module, token_loader())
+    assert module.losses == [] and not (tmp_path / "checkpoints").exists()
+    make_trainer([HFSaverCallback(**where, peft_export="adapter")]).fit(module, token_loader())
+    assert (exports(tmp_path)[-1] / "adapter_model.safetensors").is_file()
+
+
 def test_peft_export_is_validated_naming_the_field(tmp_path) -> None:
     from areal_lightning import ConfigError
 

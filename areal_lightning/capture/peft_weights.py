@@ -48,15 +48,36 @@ def over_pretrained(model: Any) -> bool:
     return isinstance(uncompiled(model.get_base_model()), PreTrainedModel)
 
 
+def _check_mergeable(name: str, layer: Any, adapter: str) -> None:
+    """``TypeError`` unless ``adapter`` of the tuner ``layer`` merges as a weight delta
+    (``get_delta_weight``; not DoRA, whose merge rescales the weight)."""
+    dora = getattr(layer, "use_dora", {}).get(adapter, False)
+    if dora or not hasattr(layer, "get_delta_weight"):
+        kind = "DoRA" if dora else type(layer).__module__.rsplit(".", 2)[-2]  # peft.tuners.<kind>.layer
+        raise TypeError(f"merged export: the {kind} {type(layer).__name__} layer {name!r} (adapter {adapter!r}) "
+                        "cannot be merged on the fly; supported: adapters "
+                        "that add a weight delta (LoRA, LoHa, LoKr, ...); export the adapter instead "
+                        "(peft_export='adapter')")
+
+
 def check_exportable(model: Any, merged: bool) -> None:
     """``TypeError`` for a merged export of a PEFT ``model`` that does not wrap a
-    ``transformers.PreTrainedModel``: no config or class to write full weights with (its
-    adapter exports as ``peft`` saves any adapter)."""
-    if merged and not over_pretrained(model):
+    ``transformers.PreTrainedModel`` (no config or class to write full weights with; its
+    adapter exports as ``peft`` saves any adapter) or has an active adapter layer that cannot
+    be merged on the fly."""
+    if not merged:
+        return
+    if not over_pretrained(model):
         raise TypeError(f"the PeftModel wraps a {type(uncompiled(model.get_base_model())).__name__}, not a "
                         "transformers.PreTrainedModel, so it has no merged HF export (supported: a merged "
                         "export of a PeftModel over a PreTrainedModel, also torch.compile'd; or "
                         "peft_export='adapter' for any PeftModel)")
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, BaseTunerLayer):
+            for adapter in module.active_adapters:
+                _check_mergeable(plain_name(name), module, adapter)
 
 
 def adapter_entries(state: Mapping[str, torch.Tensor], adapters: Any) -> dict[str, torch.Tensor]:
@@ -167,10 +188,7 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
             delta = None
             if not module.merged:
                 for adapter in module.active_adapters:
-                    if getattr(module, "use_dora", {}).get(adapter, False) or not hasattr(module, "get_delta_weight"):
-                        raise TypeError(f"merged export: the {type(module).__name__} layer {name!r} (adapter "
-                                        f"{adapter!r}) cannot be merged on the fly; supported: LoRA layers; "
-                                        "export the adapter instead (peft_export='adapter')")
+                    _check_mergeable(name, module, adapter)
                     if adapter in getattr(module, "lora_A", {adapter: None}):
                         d = module.get_delta_weight(adapter).detach()
                         delta = d if delta is None else delta + d

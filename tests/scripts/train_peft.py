@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 import warnings
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cpu)
 
 from areal_lightning import HFSaverCallback, RecoverCallback  # noqa: E402
-from tests.conftest import LMModule, tiny_llama  # noqa: E402
+from tests.conftest import CrashAt, LMModule, tiny_llama  # noqa: E402
 
 warnings.filterwarnings("ignore")
 PROBE = torch.arange(3, 11).view(1, 8)
@@ -71,15 +70,6 @@ class LoRAModule(LMModule):
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
 
-class KillAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def strategy(name: str, devices: int):
     if name == "fsdp1":
         from fsdp1_cpu import CPUFSDPStrategy
@@ -112,7 +102,7 @@ def main() -> None:
         tiny_llama().save_pretrained(base_dir)
     pl.seed_everything(0, verbose=False)
     where = dict(fileroot=root, experiment_name="e", trial_name="t", user="u")
-    callbacks: list = [KillAt(args.kill_at_step)] if args.kill_at_step else []
+    callbacks: list = [CrashAt(args.kill_at_step, kill=True)] if args.kill_at_step else []
     callbacks.append(RecoverCallback(**where, freq_steps=4))
     if args.export != "none":
         callbacks.append(HFSaverCallback(**where, freq_steps=4, mode=args.mode, peft_export=args.export))
