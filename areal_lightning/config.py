@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from areal_lightning.errors import ConfigError
-from areal_lightning.layout import RESERVED_NAMES
+from areal_lightning.layout import RESERVED_NAMES, check_local
 
 __all__ = [
     "ConfigError",
@@ -214,6 +214,7 @@ class ExperimentConfig:
             self.fileroot = os.fspath(self.fileroot)
         if not isinstance(self.fileroot, str) or not self.fileroot.strip():
             raise ConfigError("fileroot", f"expected a non-empty path string, got {self.fileroot!r}")
+        check_local(self.fileroot, "fileroot")
         validate_name(self.experiment_name, "experiment_name")
         validate_name(self.trial_name, "trial_name")
         if self.user is not None:

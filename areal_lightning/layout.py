@@ -21,9 +21,24 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name"]
+__all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name", "check_local"]
 
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+_URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_local(path: object, field: str) -> None:
+    """``ConfigError`` naming ``field`` when ``path`` is a URI (``s3://``, ``gs://``, ``az://``,
+    ``hdfs://``, ``file://``...): every checkpoint path is a POSIX file-system path, and a URI
+    would otherwise become a local folder named after its scheme (``s3:``)."""
+    match = _URI_RE.match(path) if isinstance(path, str) else None
+    if match is not None:
+        from areal_lightning.errors import ConfigError
+
+        raise ConfigError(field, f"{path!r} is a {match.group(1)}:// URI; checkpoints are written to a POSIX file "
+                                 "system path (local disk, or a shared file system such as NFS or Lustre for several "
+                                 "nodes); object stores are not supported yet (a URI would otherwise be written to a "
+                                 f"local folder named '{match.group(1)}:')")
 
 # -- names of the trial folder -----------------------------------------------------------
 RECOVER_CHECKPOINT = "recover_checkpoint"

@@ -181,3 +181,34 @@ def test_recover_preemption_and_fast_forward_keys_are_validated() -> None:
         load_config({**BASE, "recover": {"preempt_signals": ["SIGBOGUS"]}})
     with pytest.raises(ConfigError, match=r"recover\.fast_forward: unknown mode 'skip'; allowed: sampler, replay"):
         load_config({**BASE, "recover": {"fast_forward": "skip"}})
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/ckpt", "gs://bucket/ckpt", "az://container/ckpt", "file:///tmp/ckpt"])
+def test_a_uri_root_is_refused_naming_the_field_and_writes_no_local_scheme_folder(tmp_path, monkeypatch, uri) -> None:
+    """Object stores are not supported yet: a URI root was written to a local folder named
+    ``s3:`` (silently). Refused before anything runs, by both callbacks, the YAML loader,
+    ``DCPCheckpointIO`` and ``inspect``, naming the field."""
+    import torch
+
+    from areal_lightning import DCPCheckpointIO, HFSaverCallback, RecoverCallback
+    from areal_lightning.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    scheme = uri.split(":")[0]
+    fileroot = rf"fileroot: '{uri}' is a {scheme}:// URI; checkpoints are written to a POSIX file system path"
+    for make in (lambda: RecoverCallback(fileroot=uri, experiment_name="e", trial_name="t"),
+                 lambda: HFSaverCallback(fileroot=uri, experiment_name="e", trial_name="t", freq_steps=1),
+                 lambda: load_config({"fileroot": uri, "experiment_name": "e", "trial_name": "t"})):
+        with pytest.raises(ConfigError, match=fileroot):
+            make()
+    io = DCPCheckpointIO()
+    path = rf"path: '{uri}/step1' is a {scheme}:// URI"
+    with pytest.raises(ConfigError, match=path):
+        io.save_checkpoint({"w": torch.zeros(2)}, f"{uri}/step1")
+    with pytest.raises(ConfigError, match=path):
+        io.load_checkpoint(f"{uri}/step1")
+    with pytest.raises(ConfigError, match=path):
+        io.remove_checkpoint(f"{uri}/step1")
+    io.teardown()
+    assert main(["inspect", uri]) == 2
+    assert list(tmp_path.iterdir()) == []  # no folder named "s3:" (or "file:") anywhere

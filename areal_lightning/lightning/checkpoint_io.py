@@ -55,7 +55,7 @@ from torch.optim import Optimizer
 from areal_lightning.commit.atomic import AtomicDir, CommitTarget, clean_leftovers
 from areal_lightning.config import IO_MODES
 from areal_lightning.errors import ConfigError
-from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
+from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, check_local, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
 from areal_lightning.lightning.bridge import install_bridge
 from areal_lightning.namespaces import bases
@@ -147,6 +147,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         one replaces it. ``storage_options`` may be a commit target
         (:class:`~areal_lightning.commit.atomic.CommitTarget`: what ``RecoverCallback``
         passes through ``trainer.save_checkpoint``) to write and commit instead."""
+        check_local(os.fspath(path), "path")
         target = self._target(path, storage_options)
         asynchronous = self.resolved_mode == "async"
         start = time.perf_counter()
@@ -203,6 +204,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         restricts the non-tensor state as ``torch.load`` does (``None`` = torch's default).
         ``template``: nested dict whose tensors (e.g. a sharded model's DTensors, by the
         checkpoint's dotted paths) are loaded in place, resharded by DCP."""
+        check_local(os.fspath(path), "path")
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(
                 f"DCPCheckpointIO.load_checkpoint: map_location must be None, a torch.device or a device "
@@ -217,6 +219,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
 
     def remove_checkpoint(self, path: PathLike) -> None:
         """Delete the checkpoint at ``path``, waiting first if it is being written."""
+        check_local(os.fspath(path), "path")
         self._engine.remove(path)
 
     def wait_for_staging(self) -> None:

@@ -48,6 +48,7 @@ from areal_lightning.layout import (
     STEP_INFO,
     TMP_PREFIX,
     TrialLayout,
+    check_local,
     parse_export_name,
 )
 
@@ -552,6 +553,7 @@ def inspect_path(path: str | os.PathLike[str], verify: bool = False, user: str |
         >>> [r["valid"] for r in inspect_path("/data/ckpt", experiment="ppo-7b")]  # doctest: +SKIP
         [True, True]
     """
+    check_local(os.fspath(path), "path")
     return [inspect_trial(t, verify=verify) for t in find_trials(path, user, experiment, trial)]
 
 
