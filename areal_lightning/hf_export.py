@@ -101,6 +101,7 @@ from areal_lightning.capture.hf_weights import (
 )
 from areal_lightning.capture.peft_weights import (
     adapter_entries,
+    follow,
     is_peft,
     layer_merges,
     loaded,
@@ -355,10 +356,12 @@ class HFExporter:
         assert state is not None
         state = plain_state(state)
         merges = layer_merges(model)
-        if self._peft_twin is None or self._peft_twin[0] is not model:
-            # A PEFT model over a plain module (adapter exports only) is written by itself.
-            self._peft_twin = (model, peft_twin(model) if over_pretrained(model) else model)
-        twin = self._peft_twin[1]
+        if not over_pretrained(model):
+            twin = model  # a PEFT model over a plain module (adapter exports only) is written by itself
+        else:
+            if self._peft_twin is None or self._peft_twin[0] is not model or not follow(self._peft_twin[1], model):
+                self._peft_twin = (model, peft_twin(model))
+            twin = self._peft_twin[1]
 
         def write(tmp: Path | None) -> Any:
             merged_state = None

@@ -90,6 +90,43 @@ def test_lora_exports_load_the_standard_way_and_leave_training_unchanged(tmp_pat
     assert not any(getattr(m, "merged", False) for m in module.model.modules())  # never merged in place
 
 
+class TwoAdapters(LMModule):
+    """Two LoRA adapters on one base, trained in turn: ``a`` in even epochs, ``b`` in odd ones."""
+
+    def on_train_epoch_start(self) -> None:
+        self.model.set_adapter("a" if self.current_epoch % 2 == 0 else "b")
+
+
+class LiveLogits(pl.Callback):
+    """After the saver's epoch-end export: the live model's logits (the export is of them)."""
+
+    def __init__(self) -> None:
+        self.logits: list[torch.Tensor] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        with torch.no_grad():
+            self.logits.append(pl_module.model(input_ids=torch.arange(3, 11).view(1, 8)).logits)
+
+
+def test_merged_exports_follow_the_adapter_the_user_switched_to(tmp_path) -> None:
+    """A user who switches the active adapter between exports gets each export merged with the
+    adapter active at that step (not the one active at the first export)."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama().save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"),
+                                adapter_name="a")
+    model.add_adapter("b", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
+    live = LiveLogits()
+    saver = HFSaverCallback(fileroot=tmp_path, experiment_name="e", trial_name="t", user="u", freq_epochs=1,
+                            peft_export="merged")
+    make_trainer([saver, live], max_epochs=2).fit(TwoAdapters(model), token_loader())
+    assert len(exports(tmp_path)) == 2 and not torch.allclose(live.logits[0], live.logits[1], atol=1e-3)
+    for folder, want in zip(exports(tmp_path), live.logits):
+        torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(folder)), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["dora", "ia3"])
 def test_a_merged_export_of_an_adapter_that_cannot_be_merged_is_refused_before_training(tmp_path, kind) -> None:
     """DoRA (its merge rescales the weight) and IA3 (no weight delta): the merged export is refused

@@ -29,7 +29,7 @@ import torch
 from areal_lightning.capture.compiled import plain_name, uncompiled
 from areal_lightning.errors import CheckpointWriteError
 
-__all__ = ["is_peft", "over_pretrained", "check_exportable", "adapter_entries", "plain_state", "peft_twin", "layer_merges", "loaded", "merged_state_dict"]
+__all__ = ["is_peft", "over_pretrained", "check_exportable", "adapter_entries", "plain_state", "peft_twin", "follow", "layer_merges", "loaded", "merged_state_dict"]
 
 
 def is_peft(model: Any) -> bool:
@@ -116,8 +116,21 @@ def peft_twin(model: Any) -> Any:
             twin.add_adapter(name, copy.deepcopy(model.peft_config[name]))
     for name in names:  # as the live model has them (get_peft_model may have filled in fields)
         twin.peft_config[name] = copy.deepcopy(model.peft_config[name])
-    twin.base_model.set_adapter(model.active_adapters if len(model.active_adapters) > 1 else model.active_adapter)
+    follow(twin, model)
     return twin
+
+
+def follow(twin: Any, model: Any) -> bool:
+    """Give the :func:`peft_twin` the live ``model``'s active adapters (a user may switch them
+    between exports); ``False`` if the model's set of adapters changed (make a new twin)."""
+    if set(twin.peft_config) != set(model.peft_config):
+        return False
+    active = list(model.active_adapters)
+    if list(twin.active_adapters) != active:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            twin.base_model.set_adapter(active if len(active) > 1 else active[0])
+    return True
 
 
 def layer_merges(model: Any) -> dict[str, list[str]]:
