@@ -50,7 +50,8 @@ POINTS: dict[str, str] = {
     "recover.swap.new_checkpoint_in_place": "new recover_checkpoint/ renamed into place",
     "recover.swap.old_info_moved": "old recover_info/ renamed aside",
     "recover.swap.new_info_in_place": "new recover_info/ renamed into place (the old pair not yet deleted)",
-    # HF export (write/hf.py, commit/retention.py) and the atomic-directory commit (commit/atomic.py), rank 0 only
+    # HF export (write/hf.py, hf_export.py, commit/retention.py) and the atomic-directory commit (commit/atomic.py),
+    # rank 0 only
     "hf.after_weights": "safetensors + config written into the .tmp- folder",
     "hf.before_publish": "tokenizer written, before the folder is published",
     "commit.before_rename": "AtomicDir.finalize (HF exports, DCPCheckpointIO saves): .tmp- folder durable, "

@@ -8,7 +8,7 @@ commits the folder (:class:`~areal_lightning.commit.atomic.AtomicDir`). On one p
 agreement below is a no-op.
 
 Every rank calls :meth:`HFExporter.export` for the same folder, in the same
-order. The result is the layout of :func:`areal_lightning.write.hf.export_hf`: ``config.json``
+order. The result is the layout of :func:`areal_lightning.write.hf.write_hf`: ``config.json``
 (+ ``generation_config.json``), ``model.safetensors`` or ``model-0000k-of-0000N.safetensors``
 + ``model.safetensors.index.json``, and the tokenizer, each written once (by rank 0) into a
 hidden temporary sibling that is fsynced and renamed into place.
@@ -91,6 +91,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from areal_lightning._fault import fault_point
 from areal_lightning.capture.hf_weights import (
     export_state_dict,
     fsdp1_state,
@@ -111,19 +112,19 @@ from areal_lightning.capture.peft_weights import (
     plain_state,
 )
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
+from areal_lightning.commit.atomic import AtomicDir
 from areal_lightning.config import DEFAULT_SHARDED_METHOD, SHARDED_METHODS
 from areal_lightning.errors import CheckpointWriteError, ConfigError
 from areal_lightning.stage import BackgroundWorker
 from areal_lightning.write.hf import (
-    export_peft,
     DEFAULT_MAX_SHARD_SIZE,
     HFFilePlan,
-    export_hf,
-    prepare_tmp,
+    write_hf,
     write_hf_dcp,
+    write_peft,
 )
 
-__all__ = ["HFExporter", "SHARDED_METHODS", "DEFAULT_SHARDED_METHOD", "PublishHook", "validate_method"]
+__all__ = ["HFExporter", "export_hf", "SHARDED_METHODS", "DEFAULT_SHARDED_METHOD", "PublishHook", "validate_method"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,38 @@ def validate_peft_export(value: Any, field: str = "peft_export") -> str:
     if value not in PEFT_EXPORTS:
         raise ConfigError(field, f"unknown value {value!r}; allowed: {', '.join(PEFT_EXPORTS)}")
     return value
+
+
+def _write_and_publish(final: Path, write: Callable[[Path], Any], lead: bool, tmp: Path | None) -> None:
+    """The write stage fills the export's temporary folder (``tmp``, made by rank 0 and shared
+    with the other ranks of a DCP export; else made here), then rank 0 commits it as ``final``
+    (:class:`AtomicDir`: fsync, rename; an export of the same step is replaced). On failure
+    rank 0 removes the temporary folder; nothing appears under ``final``."""
+    commit = AtomicDir.of_tmp(tmp) if tmp is not None else AtomicDir(final)
+    if commit.final != final:
+        raise ValueError(f"{tmp} is not a temporary folder of {final}")
+    try:
+        write(commit.create() if lead else commit.tmp)
+        if lead:
+            fault_point("hf.before_publish")
+            commit.finalize()
+    except BaseException:
+        if lead:
+            commit.discard()
+        raise
+
+
+def export_hf(model: Any, final_dir: Path, tokenizer: Any = None, state_dict: Any = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tmp_dir: Path | None = None) -> Path:
+    """One HF export of ``model`` (+ ``tokenizer``) on this process: :func:`~areal_lightning.write.hf.write_hf`
+    into a temporary sibling (``tmp_dir``, if already made), committed as ``final_dir``; returns it.
+
+    Example:
+        >>> export_hf(model, Path("out/epoch0epochstep9globalstep9"), tokenizer)  # doctest: +SKIP
+    """
+    _write_and_publish(Path(final_dir), lambda folder: write_hf(model, folder, tokenizer, state_dict, max_shard_size),
+                       True, tmp_dir)
+    return Path(final_dir)
 
 
 def validate_method(method: Any, field: str = "method") -> str:
@@ -273,15 +306,15 @@ class HFExporter:
         sharded = fsdp_root is not None or is_sharded(model)
         dcp_method = self.method == "dcp" and sharded
         error: BaseException | None = None
-        write: Callable[[Path | None], Any] | None = None
+        write: Callable[[Path], Any] | None = None
         tmp: Path | None = None
         try:
             if dcp_method:
-                write = self._prepare_dcp(model, final_dir, tokenizer, fsdp_root)
+                write = self._prepare_dcp(model, tokenizer, fsdp_root)
             else:
-                write = self._prepare_rank0(model, final_dir, tokenizer, lead, fsdp_root)
+                write = self._prepare_rank0(model, tokenizer, lead, fsdp_root)
             if lead and (dcp_method or self._worker is not None):
-                tmp = prepare_tmp(final_dir)
+                tmp = AtomicDir(final_dir).create()
         except (Exception, CheckpointException) as exc:
             error = exc
         try:
@@ -293,12 +326,13 @@ class HFExporter:
         shared_tmp = Path(payloads[0]) if payloads[0] is not None else None
         if self._worker is not None:
             if write is not None:
-                self._submit(lambda: write(shared_tmp), final_dir, lead, start, on_published)
+                self._submit(lambda: _write_and_publish(final_dir, write, lead, shared_tmp), final_dir, lead, start,
+                             on_published)
             return final_dir if lead else None
         error = None
         try:
             if write is not None:
-                write(shared_tmp)
+                _write_and_publish(final_dir, write, lead, shared_tmp)
                 if lead and on_published is not None:
                     on_published(final_dir, None)
         except (Exception, CheckpointException) as exc:
@@ -306,13 +340,13 @@ class HFExporter:
         self._agree(error, str(final_dir))
         return final_dir if lead else None
 
-    def _prepare_rank0(self, model: Any, final: Path, tokenizer: Any, lead: bool,
-                       fsdp_root: torch.nn.Module | None) -> Callable[[Path | None], Any] | None:
+    def _prepare_rank0(self, model: Any, tokenizer: Any, lead: bool,
+                       fsdp_root: torch.nn.Module | None) -> Callable[[Path], Any] | None:
         """Replicated weights: rank 0's own copy. Sharded: the streamed gather to rank 0
         (FSDP1: its full state dict, one unit at a time). Returns rank 0's write (``None``
         elsewhere)."""
         if is_peft(model):
-            return self._prepare_peft(model, final, tokenizer, lead, fsdp_root)
+            return self._prepare_peft(model, tokenizer, lead, fsdp_root)
         if fsdp_root is not None:
             staged = fsdp1_state(fsdp_root, model, full=True)  # collective: training thread
         elif is_sharded(model):
@@ -324,11 +358,10 @@ class HFExporter:
         if not lead:
             return None
         writer = self._writer_model(model, fsdp_root)
-        return lambda tmp: export_hf(writer, final, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size,
-                                     tmp_dir=tmp)
+        return lambda folder: write_hf(writer, folder, tokenizer, state_dict=staged, max_shard_size=self.max_shard_size)
 
-    def _prepare_peft(self, model: Any, final: Path, tokenizer: Any, lead: bool,
-                      fsdp_root: torch.nn.Module | None) -> Callable[[Path | None], Any] | None:
+    def _prepare_peft(self, model: Any, tokenizer: Any, lead: bool,
+                      fsdp_root: torch.nn.Module | None) -> Callable[[Path], Any] | None:
         """A PEFT model, under any strategy: its state dict (adapter entries only for an adapter
         export) is captured on the training thread: the live tensors (sync), a host copy
         (async), or the full tensors gathered to rank 0 (FSDP1: one unit at a time; FSDP2: one
@@ -363,14 +396,13 @@ class HFExporter:
                 self._peft_twin = (model, peft_twin(model))
             twin = self._peft_twin[1]
 
-        def write(tmp: Path | None) -> Any:
+        def write(folder: Path) -> None:
             merged_state = None
             if merged:
                 with loaded(twin, state, merges):
                     merged_state = merged_state_dict(twin)
             adapter = adapter_entries(state, adapters) if self.peft_export != "merged" else None
-            return export_peft(twin, final, tokenizer, adapter=adapter, merged=merged_state,
-                               max_shard_size=self.max_shard_size, tmp_dir=tmp)
+            write_peft(twin, folder, tokenizer, adapter=adapter, merged=merged_state, max_shard_size=self.max_shard_size)
 
         return write
 
@@ -383,8 +415,8 @@ class HFExporter:
             self._twin = (model, meta_twin(model))
         return self._twin[1]
 
-    def _prepare_dcp(self, model: Any, final: Path, tokenizer: Any,
-                     fsdp_root: torch.nn.Module | None) -> Callable[[Path | None], Any]:
+    def _prepare_dcp(self, model: Any, tokenizer: Any,
+                     fsdp_root: torch.nn.Module | None) -> Callable[[Path], Any]:
         """Every rank writes its shards (see :func:`write_hf_dcp`); async: from host copies."""
         state = fsdp1_state(fsdp_root, model, full=False) if fsdp_root is not None else export_state_dict(model)
         assert state is not None
@@ -396,10 +428,9 @@ class HFExporter:
         group = self.group
         writer = self._writer_model(model, fsdp_root) if _rank() == 0 else model
 
-        def write(tmp: Path | None) -> Any:
-            assert tmp is not None
-            return write_hf_dcp(writer, final, tokenizer, shards, extras, plan=plan, tmp_dir=tmp, process_group=group,
-                                thread_count=self.thread_count)
+        def write(folder: Path) -> None:
+            write_hf_dcp(writer, folder, tokenizer, shards, extras, plan=plan, process_group=group,
+                         thread_count=self.thread_count)
 
         return write
 

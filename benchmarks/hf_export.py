@@ -38,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_lightning.commit.atomic import fsync_tree  # noqa: E402
 from areal_lightning.stage import BackgroundWorker  # noqa: E402
-from areal_lightning.write.hf import export_hf, prepare_tmp  # noqa: E402
+from areal_lightning.commit.atomic import AtomicDir  # noqa: E402
+from areal_lightning.hf_export import export_hf  # noqa: E402
 
 METHODS = ("host_copy", "save_pretrained", "ours_sync", "ours_async")
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         out = fresh("ours_async")
         t0 = time.perf_counter()
         staged = worker.stage_to_host(model.state_dict())
-        tmp = prepare_tmp(out)
+        tmp = AtomicDir(out).create()
         worker.submit(lambda: export_hf(model, out, tokenizer, state_dict=staged, tmp_dir=tmp), label=str(out))
         blocked = time.perf_counter() - t0
         worker.wait()

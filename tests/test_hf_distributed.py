@@ -131,7 +131,7 @@ def weights_in_files(folder: Path) -> dict[str, torch.Tensor]:
 def single_process_export(script: Any, case: dict[str, Any], ref: dict[str, torch.Tensor], folder: Path) -> Path:
     """The same weights exported by the single-process path (``export_hf`` = ``save_pretrained``)."""
     from areal_lightning.tools.demo import build_tokenizer
-    from areal_lightning.write.hf import export_hf
+    from areal_lightning.hf_export import export_hf
 
     model = script.build_model(case["arch"])
     if case.get("extra_buffers"):

@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from areal_lightning._fault import fault_point
 from areal_lightning.layout import (
@@ -39,6 +39,8 @@ from areal_lightning.layout import (
     sibling,
     tmp_sibling,
 )
+from areal_lightning.write.checksum import Written
+from areal_lightning.write.durable import fsync_dir, fsync_tree
 
 __all__ = [
     "AtomicDir",
@@ -53,27 +55,6 @@ __all__ = [
     "clean_leftovers",
     "clean_stale_tmp",
 ]
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory entry table (makes renames/creates inside it durable)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory below ``root`` (files first, then their folders)."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
 
 
 def _before_rename() -> None:
@@ -98,6 +79,7 @@ class CommitPoints:
     in_place: Callable[[], None] = _in_place
 
 
+@runtime_checkable
 class CommitTarget(Protocol):
     """What a writer fills and how it is committed (``DCPCheckpointIO``'s ``storage_options``):
     :class:`AtomicDir`, or the recover checkpoint's pair commit."""
@@ -109,10 +91,10 @@ class CommitTarget(Protocol):
         """Make (or reuse) the temporary folder; return it."""
         ...
 
-    def finalize(self) -> None:
-        """Make the written folder visible under its final name (idempotent). A target with a
-        ``written`` attribute is given the save's :class:`~areal_lightning.write.checksum.Written`
-        (its manifest) in it first."""
+    def finalize(self, written: Written | None = None) -> None:
+        """Make the written folder visible under its final name (idempotent). ``written``: what
+        the write stage wrote (a DCP save's :class:`~areal_lightning.write.checksum.Written`,
+        its manifest included), for a target that records it (the recover commit)."""
         ...
 
     def discard(self) -> None:
@@ -164,9 +146,10 @@ class AtomicDir:
         self.tmp.mkdir(parents=True, exist_ok=True)
         return self.tmp
 
-    def finalize(self, *, remove_old: bool = True) -> None:
+    def finalize(self, written: Written | None = None, *, remove_old: bool = True) -> None:
         """Move the written folder into place (see the module doc); idempotent. With
-        ``remove_old=False`` the replaced folder stays at :attr:`old` for the caller."""
+        ``remove_old=False`` the replaced folder stays at :attr:`old` for the caller.
+        (``written`` is not needed: the folder is its own record.)"""
         if self.tmp.exists():
             if self.fsync:
                 fsync_tree(self.tmp)

@@ -35,7 +35,6 @@ from areal_lightning.commit.atomic import (
     CommitPoints,
     atomic_write_json,
     clean_leftovers,
-    fsync_dir,
     write_json,
 )
 from areal_lightning.commit.manifest import check_files, metadata_checksum
@@ -51,6 +50,7 @@ from areal_lightning.layout import (
     TrialLayout,
 )
 from areal_lightning.write.checksum import ALGORITHM, Written
+from areal_lightning.write.durable import fsync_dir
 
 __all__ = ["TrialLock", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_VERSION"]
 
@@ -323,7 +323,7 @@ def _is_leftover_of(name: str, final: str) -> bool:
 class RecoverCommit:
     """The :class:`~areal_lightning.commit.atomic.CommitTarget` of one recover save: the DCP
     files are written to :attr:`tmp`; :meth:`finalize` writes ``recover_info`` and swaps
-    the pair in (:meth:`RecoverStore.commit`) with the manifest the writer put in :attr:`written`."""
+    the pair in (:meth:`RecoverStore.commit`) with the manifest of what the save wrote."""
 
     def __init__(self, store: RecoverStore, gen: str, info: dict[str, dict[str, Any]],
                  on_committed: Callable[[Written], None] | None = None) -> None:
@@ -331,8 +331,6 @@ class RecoverCommit:
         self.on_committed = on_committed
         self.final = store.ckpt_dir
         self.tmp = store.tmp_ckpt_dir(gen)
-        self.written: Written | None = None
-        """What the DCP save wrote (its manifest included), set by the writer before :meth:`finalize`."""
         self.check: Callable[[dict[str, Any]], None] | None = None
         """Called with the checkpoint dict before anything is written (rank 0); raises to refuse it."""
 
@@ -340,14 +338,15 @@ class RecoverCommit:
         """Create the temporary DCP folder of this save."""
         return self.store.commits(self.gen)[0].create()
 
-    def finalize(self) -> None:
-        """Write ``recover_info`` and swap the new pair in (rank 0, after the DCP save returned)."""
-        if self.written is None or self.written.files is None:
+    def finalize(self, written: Written | None = None) -> None:
+        """Write ``recover_info`` and swap the new pair in (rank 0, after the DCP save returned
+        ``written``, its manifest included)."""
+        if written is None or written.files is None:
             raise CheckpointCorruptError(f"{self.tmp}: the DCP save returned no manifest; the previous recover "
                                          "checkpoint stays in place")
-        self.store.commit(self.gen, self.info, self.written.files)
+        self.store.commit(self.gen, self.info, written.files)
         if self.on_committed is not None:
-            self.on_committed(self.written)
+            self.on_committed(written)
 
     def discard(self) -> None:
         """Leave the leftovers to :meth:`RecoverStore.clean_stale` at the next save."""

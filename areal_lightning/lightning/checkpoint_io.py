@@ -185,8 +185,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
     def _target(cls, path: PathLike, storage_options: Any) -> CommitTarget:
         if storage_options is None:
             return cls.target(path)
-        if all(callable(getattr(storage_options, name, None)) for name in ("create", "finalize", "discard")) and \
-                isinstance(getattr(storage_options, "tmp", None), Path):
+        if isinstance(storage_options, CommitTarget) and isinstance(storage_options.tmp, Path):
             return storage_options
         raise TypeError("DCPCheckpointIO.save_checkpoint: storage_options must be None or a commit target "
                         f"(areal_lightning.commit.atomic.AtomicDir, RecoverStore.target), got {storage_options!r}")
@@ -236,14 +235,11 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
 
 
 def _publisher(target: CommitTarget) -> Any:
-    """The engine's ``then`` for ``target``: a target with a ``written`` attribute (the
-    recover commit) first receives what the save wrote, its manifest included; then
-    ``finalize``."""
+    """The engine's ``then`` for ``target``: its ``finalize`` with what the save wrote (its
+    manifest included)."""
 
     def publish(written: Written) -> None:
-        if hasattr(target, "written"):
-            target.written = written
-        target.finalize()
+        target.finalize(written)
 
     return publish
 
@@ -265,9 +261,9 @@ class CheckpointDir(AtomicDir):
                 f"{COMMIT_MARKER}), and saving would replace it; remove it or choose another path")
         return super().create()
 
-    def finalize(self, *, remove_old: bool = True) -> None:
+    def finalize(self, written: Written | None = None, *, remove_old: bool = True) -> None:
         """Rename into place, then remove the leftovers of earlier interrupted saves to this path."""
-        super().finalize(remove_old=remove_old)
+        super().finalize(written, remove_old=remove_old)
         name = self.final.name
 
         def interrupted(child: str) -> bool:

@@ -116,7 +116,6 @@ from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_point
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
-from areal_lightning.commit.atomic import fsync_dir
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to, cuda_device
@@ -137,6 +136,7 @@ from areal_lightning.write.dcp_format import (
     slot_globals,
     split,
 )
+from areal_lightning.write.durable import fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
-"""HuggingFace export of a ``PreTrainedModel`` (+ tokenizer) into one atomic folder.
+"""HuggingFace export of a ``PreTrainedModel`` (+ tokenizer) into one folder.
 
 Weights are written by ``transformers``' own ``save_pretrained`` (safetensors, sharded with
 ``model.safetensors.index.json`` above ``max_shard_size``, tied weights handled, plus
 ``config.json`` and ``generation_config.json``), the tokenizer by its ``save_pretrained``.
-Everything goes into a hidden temporary sibling that is fsynced and renamed into place by
-:func:`areal_lightning.commit.publish_dir`.
+Every function here writes into the folder it is given (an export's hidden temporary
+sibling) and nothing else: making it visible under its final name is the commit stage's
+(:class:`areal_lightning.commit.atomic.AtomicDir`, run by :mod:`areal_lightning.hf_export`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,15 @@ import torch
 import torch.distributed as dist
 
 from areal_lightning._fault import fault_point
-from areal_lightning.commit.atomic import publish_dir
 from areal_lightning.errors import CheckpointWriteError
 from areal_lightning.layout import (
     HF_DCP_SHARDS,
     HF_INDEX,
     HF_METADATA_TMP,
     HF_WEIGHTS,
-    tmp_sibling,
 )
 
-__all__ = ["export_hf", "finish_export", "prepare_tmp", "write_hf_dcp", "HFFilePlan", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["write_hf", "write_peft", "save_tokenizer", "write_hf_dcp", "HFFilePlan", "DEFAULT_MAX_SHARD_SIZE"]
 
 log = logging.getLogger(__name__)
 
@@ -56,82 +55,51 @@ def _quiet_hf_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def prepare_tmp(final: Path) -> Path:
-    """Create and return a fresh temporary sibling folder for ``final``."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_sibling(final)
-    tmp.mkdir()
-    return tmp
-
-
-def finish_export(tmp: Path, final_dir: Path, tokenizer: Any = None) -> None:
-    """Once weights and config are in ``tmp``: save the tokenizer there, then publish ``tmp``
-    as ``final_dir`` atomically (fault points ``hf.after_weights``, ``hf.before_publish``)."""
+def save_tokenizer(folder: Path, tokenizer: Any = None) -> None:
+    """Once the weights and config are in ``folder``: the tokenizer's ``save_pretrained`` there
+    (fault point ``hf.after_weights`` first)."""
     fault_point("hf.after_weights")
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    fault_point("hf.before_publish")
-    publish_dir(tmp, final_dir)
+        tokenizer.save_pretrained(folder)
 
 
-def export_hf(
+def write_hf(
     model: Any,
-    final_dir: Path,
+    folder: Path,
     tokenizer: Any = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    tmp_dir: Path | None = None,
-) -> Path:
-    """Export ``model`` (and ``tokenizer``) to ``final_dir`` atomically; return ``final_dir``.
+) -> None:
+    """Write the HF files of ``model`` (and ``tokenizer``) into the existing ``folder``.
 
     Args:
         model: a ``transformers.PreTrainedModel`` (supplies config and tied-weight info).
-        final_dir: the export folder; it appears only when complete.
+        folder: where to write (an export's temporary folder).
         tokenizer: saved with ``save_pretrained`` when given.
         state_dict: weights to write instead of ``model.state_dict()`` (e.g. a host copy
             staged for an async export). It is not modified (transformers empties the dict
             it is given, so a shallow copy is passed).
         max_shard_size: shard threshold (bytes or a string such as ``"5GB"``).
-        tmp_dir: an already created temporary sibling to finish (else one is made).
-
-    On any failure the temporary folder is removed and the error propagates; no folder
-    with the final name is created.
 
     Example:
-        >>> export_hf(model, Path("out/epoch0epochstep9globalstep9"), tokenizer)  # doctest: +SKIP
+        >>> write_hf(model, Path("out/.tmp-epoch0epochstep9globalstep9-ab12"), tokenizer)  # doctest: +SKIP
     """
-    with _exporting(final_dir, tokenizer, tmp_dir) as tmp:
-        model.save_pretrained(tmp, state_dict=dict(state_dict) if state_dict is not None else None,
+    with _quiet_hf_progress():
+        model.save_pretrained(folder, state_dict=dict(state_dict) if state_dict is not None else None,
                               max_shard_size=max_shard_size)
-    log.debug("exported HF checkpoint to %s", final_dir)
-    return final_dir
+    save_tokenizer(folder, tokenizer)
 
 
-@contextlib.contextmanager
-def _exporting(final_dir: Path, tokenizer: Any, tmp_dir: Path | None) -> Iterator[Path]:
-    """The temporary sibling to write an export into; after the block the tokenizer is saved and
-    the folder renamed into place; on any failure it is removed and the error propagates."""
-    tmp = tmp_dir if tmp_dir is not None else prepare_tmp(final_dir)
-    try:
-        with _quiet_hf_progress():
-            yield tmp
-        finish_export(tmp, final_dir, tokenizer)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def export_peft(
+def write_peft(
     model: Any,
-    final_dir: Path,
+    folder: Path,
     tokenizer: Any = None,
     *,
     adapter: Mapping[str, torch.Tensor] | None,
     merged: Mapping[str, torch.Tensor] | None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    tmp_dir: Path | None = None,
-) -> Path:
-    """Export a ``peft.PeftModel`` to ``final_dir`` atomically, as :func:`export_hf` does.
+) -> None:
+    """Write the HF files of a ``peft.PeftModel`` into the existing ``folder``, as :func:`write_hf` does.
 
     ``merged`` (the base model's names, adapters merged in): written with the base model's
     ``save_pretrained`` (``config.json`` + safetensors), loadable with ``AutoModelForCausalLM``.
@@ -139,16 +107,15 @@ def export_peft(
     written with ``PeftModel.save_pretrained`` (``adapter_config.json`` +
     ``adapter_model.safetensors``), into the folder itself, or into ``adapter/`` when both are
     written. The tokenizer is saved with each."""
-    with _exporting(final_dir, tokenizer, tmp_dir) as tmp:
+    with _quiet_hf_progress():
         if merged is not None:
-            model.get_base_model().save_pretrained(tmp, state_dict=dict(merged), max_shard_size=max_shard_size)
+            model.get_base_model().save_pretrained(folder, state_dict=dict(merged), max_shard_size=max_shard_size)
         if adapter is not None:
-            folder = tmp / "adapter" if merged is not None else tmp
-            model.save_pretrained(folder, state_dict=dict(adapter), safe_serialization=True)
+            inner = folder / "adapter" if merged is not None else folder
+            model.save_pretrained(inner, state_dict=dict(adapter), safe_serialization=True)
             if merged is not None and tokenizer is not None:
-                tokenizer.save_pretrained(folder)
-    log.debug("exported PEFT model to %s", final_dir)
-    return final_dir
+                tokenizer.save_pretrained(inner)
+    save_tokenizer(folder, tokenizer)
 
 
 # --------------------------------------------------------------------------------------
@@ -274,45 +241,34 @@ def _finish_dcp_folder(tmp: Path, plan: HFFilePlan, extras: Mapping[str, torch.T
 
 def write_hf_dcp(
     model: Any,
-    final_dir: Path,
+    folder: Path,
     tokenizer: Any,
     shards: Mapping[str, torch.Tensor],
     extras: Mapping[str, torch.Tensor],
     *,
     plan: HFFilePlan,
-    tmp_dir: Path,
     process_group: dist.ProcessGroup | None = None,
     thread_count: int = 1,
-) -> Path | None:
+) -> None:
     """Write one HF export with DCP's ``HuggingFaceStorageWriter``; collective over ``process_group``.
 
     Every rank passes its (possibly host-staged) ``shards``, the ``extras`` (see
-    :func:`split_for_dcp`), the same ``plan`` and the same ``tmp_dir`` (created by rank 0 on
+    :func:`split_for_dcp`), the same ``plan`` and the same ``folder`` (created by rank 0 on
     storage every rank sees). ``dcp.save`` comes first (no rank can fail alone before it);
-    then rank 0 checks the consolidated files, writes the extras, config and tokenizer and
-    publishes ``final_dir``. Returns ``final_dir`` on rank 0, ``None`` elsewhere. On failure
-    rank 0 removes ``tmp_dir``; the error propagates (on every rank if DCP failed).
+    then rank 0 checks the consolidated files and writes the extras, config and tokenizer.
+    The error propagates (on every rank if DCP failed).
     """
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint import save as dcp_save
 
-    lead = dist.get_rank(process_group) == 0
-    try:
-        if plan.dcp_files:
-            writer = HuggingFaceStorageWriter(str(tmp_dir), fqn_to_index_mapping=plan.dcp_index, save_distributed=True,
-                                              enable_consolidation=True, thread_count_consolidation=thread_count)
-            writer.sync_files = False  # the shard files are deleted; the final files are fsynced at publish
-            dcp_save(dict(shards), storage_writer=writer, process_group=process_group)
-        if not lead:
-            return None
-        _finish_dcp_folder(tmp_dir, plan, extras, {**shards, **extras}, int(model.num_parameters()))
-        _save_hf_metadata(model, tmp_dir)
-        finish_export(tmp_dir, final_dir, tokenizer)
-    except BaseException:
-        if lead:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    log.debug("exported HF checkpoint (DCP, %d files) to %s", plan.files, final_dir)
-    return final_dir
-
-
+    if plan.dcp_files:
+        writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=plan.dcp_index, save_distributed=True,
+                                          enable_consolidation=True, thread_count_consolidation=thread_count)
+        writer.sync_files = False  # the shard files are deleted; the final files are fsynced at publish
+        dcp_save(dict(shards), storage_writer=writer, process_group=process_group)
+    if dist.get_rank(process_group) != 0:
+        return
+    _finish_dcp_folder(folder, plan, extras, {**shards, **extras}, int(model.num_parameters()))
+    _save_hf_metadata(model, folder)
+    save_tokenizer(folder, tokenizer)
+    log.debug("wrote HF checkpoint (DCP, %d files) to %s", plan.files, folder)
