@@ -304,7 +304,7 @@ class HFExporter:
             self.settle()  # (a sync export already agreed when it finished)
         lead = _rank() == 0
         sharded = fsdp_root is not None or is_sharded(model)
-        dcp_method = self.method == "dcp" and sharded
+        dcp_method = self.method == "dcp" and sharded and not is_peft(model)  # PEFT: gathered (see _prepare_peft)
         error: BaseException | None = None
         write: Callable[[Path], Any] | None = None
         tmp: Path | None = None

@@ -202,26 +202,27 @@ def test_a_compiled_lora_model_exports_and_resumes_uncompiled_with_the_plain_run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "devices", "export", "mode", "kill", "compiled"), [
-    ("ddp", 1, "both", "async", 10, False),
-    ("ddp", 2, "merged", "sync", None, False),
-    ("fsdp1", 2, "both", "sync", 10, False),
-    ("fsdp2", 2, "both", "async", 6, True),
-    ("fsdp1", 2, "adapter", "async", None, True),
+@pytest.mark.parametrize(("strategy", "devices", "export", "mode", "kill", "compiled", "method"), [
+    ("ddp", 1, "both", "async", 10, False, "gather"),
+    ("ddp", 2, "merged", "sync", None, False, "gather"),
+    ("fsdp1", 2, "both", "sync", 10, False, "gather"),
+    ("fsdp2", 2, "both", "async", 6, True, "dcp"),
+    ("fsdp1", 2, "adapter", "async", None, True, "dcp"),
 ])
 def test_lora_exports_on_every_strategy_and_a_sigkilled_run_continues_exactly(tmp_path, strategy, devices, export,
-                                                                              mode, kill, compiled) -> None:
+                                                                              mode, kill, compiled, method) -> None:
     """A LoRA Llama (frozen base) on one process, or on 2 ranks under DDP, FSDP1 (use_orig_params)
     and FSDP2 (fully_shard): the last export loads the standard way and gives the live model's
     logits after the last step (FSDP: merged from the full tensors gathered to rank 0). With
     ``kill``: every rank is SIGKILLed after that step and the same command started again: each
     step's loss on each rank and every export file are byte-for-byte the uninterrupted run's.
     ``compiled``: the model is ``torch.compile``d after sharding (with ``kill``: in the killed run
-    only; the rerun and the reference are not)."""
+    only; the rerun and the reference are not). ``method``: ``sharded_method`` (PEFT exports
+    are gathered whatever it is)."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
-    args = ("--strategy", strategy, "--devices", str(devices), "--export", export, "--mode", mode)
+    args = ("--strategy", strategy, "--devices", str(devices), "--export", export, "--mode", mode, "--method", method)
     ref = tmp_path / "ref"
     proc = run_script(ref, *args, *(("--compile",) if compiled and kill is None else ()))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,6 +3,7 @@ on one process or on 2 CPU ranks (gloo; Lightning starts the second rank).
 
     python tests/scripts/train_peft.py --root DIR [--devices 2] [--strategy ddp|fsdp1|fsdp2]
         [--export adapter|merged|both|none] [--mode sync|async] [--kill-at-step N] [--compile]
+        [--method gather|dcp]
 
 ``fsdp1`` is Lightning's ``FSDPStrategy`` (``tests/fsdp1_cpu``, ``use_orig_params=True``, one
 unit per decoder layer); ``fsdp2`` is ``ModelParallelStrategy`` with ``fully_shard`` on every
@@ -95,6 +96,7 @@ def main() -> None:
     p.add_argument("--mode", default="sync")
     p.add_argument("--kill-at-step", type=int)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--method", default="gather")
     args = p.parse_args()
     root = Path(args.root)
     base_dir = root / "base"
@@ -105,7 +107,8 @@ def main() -> None:
     callbacks: list = [CrashAt(args.kill_at_step, kill=True)] if args.kill_at_step else []
     callbacks.append(RecoverCallback(**where, freq_steps=4))
     if args.export != "none":
-        callbacks.append(HFSaverCallback(**where, freq_steps=4, mode=args.mode, peft_export=args.export))
+        callbacks.append(HFSaverCallback(**where, freq_steps=4, mode=args.mode, peft_export=args.export,
+                                        sharded_method=args.method))
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=args.devices,
                          strategy=strategy(args.strategy, args.devices), logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
