@@ -154,9 +154,7 @@ def _write_and_publish(final: Path, write: Callable[[Path], Any], lead: bool, tm
     with the other ranks of a DCP export; else made here), then rank 0 commits it as ``final``
     (:class:`AtomicDir`: fsync, rename; an export of the same step is replaced). On failure
     rank 0 removes the temporary folder; nothing appears under ``final``."""
-    commit = AtomicDir.of_tmp(tmp) if tmp is not None else AtomicDir(final)
-    if commit.final != final:
-        raise ValueError(f"{tmp} is not a temporary folder of {final}")
+    commit = AtomicDir.of_tmp(tmp, final) if tmp is not None else AtomicDir(final)
     try:
         write(commit.create() if lead else commit.tmp)
         if lead:
@@ -369,17 +367,17 @@ class HFExporter:
         :func:`peft_twin` to compute the merged weights and ``save_pretrained`` the files."""
         merged = self.peft_export in ("merged", "both")
         adapters = list(model.peft_config)
+        sharded = is_sharded(model)
         if fsdp_root is not None:
-            frozen = any(not p.requires_grad for name, p in model.named_parameters()
-                         if set(adapters).intersection(name.split(".")))
+            frozen = any(not p.requires_grad for p in adapter_entries(dict(model.named_parameters()), adapters).values())
             state = fsdp1_state(fsdp_root, model, full=True, trainable_only=not merged and not frozen)  # collective
+        elif not lead and not sharded:
+            return None  # replicated: rank 0 exports its own copy
         else:
             live = model.state_dict()
             live = live if merged else adapter_entries(live, adapters)
-            if is_sharded(model):
+            if sharded:
                 state = gather_to_host(live)  # collective: training thread
-            elif not lead:
-                state = None
             elif self._worker is not None:
                 state = self._worker.stage_to_host(live)
             else:
@@ -388,7 +386,7 @@ class HFExporter:
             return None
         assert state is not None
         state = plain_state(state)
-        merges = layer_merges(model)
+        merges = layer_merges(model) if merged else {}
         if not over_pretrained(model):
             twin = model  # a PEFT model over a plain module (adapter exports only) is written by itself
         else:

@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_lightning.errors import ConfigError
+
 __all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name", "check_local"]
 
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
@@ -33,8 +35,6 @@ def check_local(path: object, field: str) -> None:
     would otherwise become a local folder named after its scheme (``s3:``)."""
     match = _URI_RE.match(path) if isinstance(path, str) else None
     if match is not None:
-        from areal_lightning.errors import ConfigError
-
         raise ConfigError(field, f"{path!r} is a {match.group(1)}:// URI; checkpoints are written to a POSIX file "
                                  "system path (local disk, or a shared file system such as NFS or Lustre for several "
                                  "nodes); object stores are not supported yet (a URI would otherwise be written to a "

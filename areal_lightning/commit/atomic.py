@@ -131,12 +131,16 @@ class AtomicDir:
         self.points = points
 
     @classmethod
-    def of_tmp(cls, tmp: Path, **kwargs: Any) -> "AtomicDir":
-        """The commit whose temporary folder is ``tmp`` (a ``.tmp-{final}-{token}`` path)."""
+    def of_tmp(cls, tmp: Path, final: Path | None = None, **kwargs: Any) -> "AtomicDir":
+        """The commit whose temporary folder is ``tmp`` (a ``.tmp-{final}-{token}`` path);
+        ``ValueError`` if it is not one, or not one of ``final`` when that is given."""
         parts = leftover_of(Path(tmp).name)
         if parts is None or parts[0] != TMP_PREFIX:
             raise ValueError(f"{tmp} is not a temporary folder name ({TMP_PREFIX}{{final}}-{{token}})")
-        return cls(Path(tmp).parent / parts[1], parts[2], **kwargs)
+        commit = cls(Path(tmp).parent / parts[1], parts[2], **kwargs)
+        if final is not None and commit.final != Path(final):
+            raise ValueError(f"{tmp} is not the temporary folder of {final}")
+        return commit
 
     def create(self) -> Path:
         """Create the parent and the temporary folder (reused if it exists); return it."""
@@ -200,10 +204,7 @@ def publish_dir(tmp: Path, final: Path) -> None:
     visible as ``final``: :meth:`AtomicDir.finalize` of that commit. An existing ``final``
     (the same step exported again after a resume) is replaced; a crash in between leaves
     the old folder under an ``.old-`` name or the new one under the final name, never a mix."""
-    commit = AtomicDir.of_tmp(tmp)
-    if commit.final != Path(final):
-        raise ValueError(f"{tmp} is not the temporary folder of {final}")
-    commit.finalize()
+    AtomicDir.of_tmp(tmp, final).finalize()
 
 
 def remove_dir(path: Path) -> None:
