@@ -51,6 +51,8 @@ _EXPORTS = {
     "RankFailure": "areal_lightning.errors",
     "RecoverMismatchError": "areal_lightning.errors",
     "TrialLockedError": "areal_lightning.errors",
+    "StorageError": "areal_lightning.errors",
+    "download_export": "areal_lightning.tools.download",
     "AreaLightningError": "areal_lightning.errors",
     "Preempted": "areal_lightning.trigger.preempt",
     "PREEMPTED_EXIT_CODE": "areal_lightning.trigger.preempt",
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
         ConfigError,
         RankFailure,
         RecoverMismatchError,
+        StorageError,
     )
     from areal_lightning.layout import TrialLayout, export_name, parse_export_name
     from areal_lightning.lightning import (
@@ -99,4 +102,5 @@ if TYPE_CHECKING:
     )
     from areal_lightning.trigger.freq import FreqController
     from areal_lightning.trigger.preempt import PREEMPTED_EXIT_CODE, Preempted
+    from areal_lightning.tools.download import download_export
     from areal_lightning.trigger.step import StepInfo

@@ -63,6 +63,14 @@ POINTS: dict[str, str] = {
     "commit.remove_dir.begin": "remove_dir: before the folder is renamed to .trash-",
     "commit.remove_renamed": "remove_dir: renamed to .trash-, before the trash is deleted",
     "commit.remove_dir.done": "remove_dir: the trash folder is deleted",
+    # object stores (write/dcp.py): a DCP file's multipart upload is under way (every rank)
+    "objectstore.mid_upload": "the first part of a data file's multipart upload is sent; the object is not "
+                              "complete (writer threads; async: background thread)",
+    # object stores (commit/generations.py): a generation is committed by its marker object, rank 0 only
+    "objectstore.before_marker": "every file of a generation uploaded (DCP data, .metadata, recover_info), "
+                                 "before its COMMITTED.json marker",
+    "objectstore.after_marker": "the marker of the new generation written (the older ones not yet deleted)",
+    "objectstore.marker_deleted": "an older generation's marker deleted, before its files are",
 }
 
 _hits: collections.Counter[str] = collections.Counter()

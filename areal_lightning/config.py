@@ -20,12 +20,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Dict, Mapping, Optional, Sequence, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from areal_lightning.errors import ConfigError
-from areal_lightning.layout import RESERVED_NAMES, check_local
+from areal_lightning.layout import RESERVED_NAMES
+from areal_lightning.objectstore import check_path, validate_options
 
 __all__ = [
     "ConfigError",
@@ -192,7 +193,9 @@ class ExperimentConfig:
     """Where checkpoints go, plus the ``saver:`` and ``recover:`` sections.
 
     Files land under ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/``.
-    ``user=None`` means the OS user (``getpass.getuser()``).
+    ``user=None`` means the OS user (``getpass.getuser()``). ``fileroot`` may be an object
+    store (``s3://bucket/prefix``, ``gs://``, ``az://``); ``storage_options`` then go to its
+    fsspec file system (endpoint, profile, anything the provider chain does not give).
 
     Example:
         >>> cfg = ExperimentConfig(fileroot="/data/ckpt", experiment_name="exp", trial_name="t0",
@@ -205,6 +208,7 @@ class ExperimentConfig:
     experiment_name: str = "default"
     trial_name: str = "trial0"
     user: str | None = None
+    storage_options: Optional[Dict[str, Any]] = None
     saver: SaverConfig = field(default_factory=SaverConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)
 
@@ -214,7 +218,8 @@ class ExperimentConfig:
             self.fileroot = os.fspath(self.fileroot)
         if not isinstance(self.fileroot, str) or not self.fileroot.strip():
             raise ConfigError("fileroot", f"expected a non-empty path string, got {self.fileroot!r}")
-        check_local(self.fileroot, "fileroot")
+        check_path(self.fileroot, "fileroot")
+        self.storage_options = validate_options(self.storage_options) or None
         validate_name(self.experiment_name, "experiment_name")
         validate_name(self.trial_name, "trial_name")
         if self.user is not None:

@@ -9,6 +9,8 @@
     │   └── RankFailure                              another rank failed or did not arrive in time
     ├── RecoverMismatchError   (also a RuntimeError) the recover checkpoint belongs to a different run
     │                                                or does not fit this run's data or loaders
+    ├── StorageError           (also a RuntimeError) an object store refused or failed an operation;
+    │                                                names the bucket and the operation
     └── TrialLockedError       (also a RuntimeError) another process is training the same trial
 
 ``except AreaLightningError`` catches all of them; the second base keeps the built-in type
@@ -24,6 +26,7 @@ __all__ = [
     "CheckpointWriteError",
     "RankFailure",
     "RecoverMismatchError",
+    "StorageError",
     "TrialLockedError",
     "start_fresh",
 ]
@@ -57,6 +60,10 @@ class RankFailure(CheckpointWriteError):
 class RecoverMismatchError(AreaLightningError, RuntimeError):
     """The recover checkpoint was written by a run that differs from this one (world size,
     strategy, experiment, trial); the message explains what differs and what to do."""
+
+
+class StorageError(AreaLightningError, RuntimeError):
+    """An object store refused or failed an operation; names the bucket and the operation."""
 
 
 class TrialLockedError(AreaLightningError, RuntimeError):

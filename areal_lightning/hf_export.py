@@ -113,8 +113,10 @@ from areal_lightning.capture.peft_weights import (
 )
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.commit.atomic import AtomicDir
+from areal_lightning.commit.upload import UploadCommit
 from areal_lightning.config import DEFAULT_SHARDED_METHOD, SHARDED_METHODS
 from areal_lightning.errors import CheckpointWriteError, ConfigError
+from areal_lightning.objectstore import is_remote
 from areal_lightning.stage import BackgroundWorker
 from areal_lightning.write.hf import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -149,12 +151,24 @@ def validate_peft_export(value: Any, field: str = "peft_export") -> str:
     return value
 
 
-def _write_and_publish(final: Path, write: Callable[[Path], Any], lead: bool, tmp: Path | None) -> None:
+def commit_of(final: Any, tmp: Path | None = None, storage_options: Any = None,
+              staging: Path | None = None) -> Any:
+    """The commit of an export to ``final``: an :class:`AtomicDir` (local ``final``; its
+    temporary folder ``tmp`` if already made), or on an object store an
+    :class:`~areal_lightning.commit.upload.UploadCommit` (staged in ``staging``, uploaded, marked)."""
+    if is_remote(final):
+        return UploadCommit(str(final), storage_options, staging, tmp)
+    return AtomicDir.of_tmp(tmp, final) if tmp is not None else AtomicDir(final)
+
+
+def _write_and_publish(final: Path, write: Callable[[Path], Any], lead: bool, tmp: Path | None,
+                       storage_options: Any = None, staging: Path | None = None) -> None:
     """The write stage fills the export's temporary folder (``tmp``, made by rank 0 and shared
     with the other ranks of a DCP export; else made here), then rank 0 commits it as ``final``
-    (:class:`AtomicDir`: fsync, rename; an export of the same step is replaced). On failure
-    rank 0 removes the temporary folder; nothing appears under ``final``."""
-    commit = AtomicDir.of_tmp(tmp, final) if tmp is not None else AtomicDir(final)
+    (:class:`AtomicDir`: fsync, rename; an export of the same step is replaced; on an object
+    store: upload, then the marker). On failure rank 0 removes the temporary folder; nothing
+    appears under ``final``."""
+    commit = commit_of(final, tmp, storage_options, staging)
     try:
         write(commit.create() if lead else commit.tmp)
         if lead:
@@ -203,6 +217,9 @@ class HFExporter:
             the other ranks (see :mod:`areal_lightning.collective`).
         ranks: an existing :class:`~areal_lightning.collective.CheckpointGroup` to use instead
             (its timeout applies).
+        peft_export: what a PEFT model's export writes (``adapter``, ``merged``, ``both``).
+        storage_options: options of the object-store file system for ``s3://`` exports.
+        staging: the node-local folder object-store exports are written in before their upload.
 
     Every rank must call :meth:`export` and :meth:`close` together, in the same order.
     """
@@ -218,8 +235,12 @@ class HFExporter:
         collective_timeout: float = DEFAULT_TIMEOUT_S,
         ranks: CheckpointGroup | None = None,
         peft_export: str = "adapter",
+        storage_options: dict[str, Any] | None = None,
+        staging: Path | None = None,
     ) -> None:
         self.method = validate_method(method)
+        self.storage_options = dict(storage_options or {})
+        self.staging = staging
         self.peft_export = validate_peft_export(peft_export)
         self.asynchronous = asynchronous
         self.max_shard_size = max_shard_size
@@ -312,7 +333,7 @@ class HFExporter:
             else:
                 write = self._prepare_rank0(model, tokenizer, lead, fsdp_root)
             if lead and (dcp_method or self._worker is not None):
-                tmp = AtomicDir(final_dir).create()
+                tmp = commit_of(final_dir, None, self.storage_options, self.staging).create()
         except (Exception, CheckpointException) as exc:
             error = exc
         try:
@@ -324,13 +345,13 @@ class HFExporter:
         shared_tmp = Path(payloads[0]) if payloads[0] is not None else None
         if self._worker is not None:
             if write is not None:
-                self._submit(lambda: _write_and_publish(final_dir, write, lead, shared_tmp), final_dir, lead, start,
-                             on_published)
+                self._submit(lambda: _write_and_publish(final_dir, write, lead, shared_tmp, self.storage_options,
+                                                        self.staging), final_dir, lead, start, on_published)
             return final_dir if lead else None
         error = None
         try:
             if write is not None:
-                _write_and_publish(final_dir, write, lead, shared_tmp)
+                _write_and_publish(final_dir, write, lead, shared_tmp, self.storage_options, self.staging)
                 if lead and on_published is not None:
                     on_published(final_dir, None)
         except (Exception, CheckpointException) as exc:

@@ -20,25 +20,23 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from areal_lightning.errors import ConfigError
+from areal_lightning.objectstore import is_remote, join
 
-__all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name", "check_local"]
+__all__ = ["TrialLayout", "ExportName", "export_name", "parse_export_name", "child"]
 
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
-_URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def check_local(path: object, field: str) -> None:
-    """``ConfigError`` naming ``field`` when ``path`` is a URI (``s3://``, ``gs://``, ``az://``,
-    ``hdfs://``, ``file://``...): every checkpoint path is a POSIX file-system path, and a URI
-    would otherwise become a local folder named after its scheme (``s3:``)."""
-    match = _URI_RE.match(path) if isinstance(path, str) else None
-    if match is not None:
-        raise ConfigError(field, f"{path!r} is a {match.group(1)}:// URI; checkpoints are written to a POSIX file "
-                                 "system path (local disk, or a shared file system such as NFS or Lustre for several "
-                                 "nodes); object stores are not supported yet (a URI would otherwise be written to a "
-                                 f"local folder named '{match.group(1)}:')")
+def child(base: Any, *parts: str) -> Any:
+    """``base`` joined with ``parts``: a ``Path`` for a local base, a ``str`` URI for an
+    object-store one (``Path`` would fold its ``//``)."""
+    if is_remote(base):
+        return join(str(base), *parts)
+    return Path(base).joinpath(*parts)
+
 
 # -- names of the trial folder -----------------------------------------------------------
 RECOVER_CHECKPOINT = "recover_checkpoint"
@@ -162,26 +160,31 @@ class TrialLayout:
     trial_name: str
 
     @property
+    def remote(self) -> bool:
+        """The fileroot is an object-store URI: every path of this layout is then a ``str`` URI."""
+        return is_remote(self.fileroot)
+
+    @property
     def trial_dir(self) -> Path:
-        """The trial folder."""
-        return Path(self.fileroot) / "checkpoints" / self.user / self.experiment_name / self.trial_name
+        """The trial folder (a ``str`` URI when the fileroot is one)."""
+        return child(self.fileroot, "checkpoints", self.user, self.experiment_name, self.trial_name)
 
     def model_dir(self, name: str = "default") -> Path:
         """Folder of one model's exports (``default``, ``critic``, ...)."""
-        return self.trial_dir / name
+        return child(self.trial_dir, name)
 
     def export_dir(self, name: str, epoch: int, epoch_step: int, global_step: int) -> Path:
         """Folder of one HF export."""
-        return self.model_dir(name) / export_name(epoch, epoch_step, global_step)
+        return child(self.model_dir(name), export_name(epoch, epoch_step, global_step))
 
     def recover_checkpoint_dir(self, name: str = "default") -> Path:
         """The DCP recover checkpoint of one model."""
-        return self.model_dir(name) / RECOVER_CHECKPOINT
+        return child(self.model_dir(name), RECOVER_CHECKPOINT)
 
     @property
     def recover_info_dir(self) -> Path:
         """The ``recover_info/`` metadata folder."""
-        return self.trial_dir / RECOVER_INFO
+        return child(self.trial_dir, RECOVER_INFO)
 
     def list_exports(self, name: str = "default") -> list[tuple[ExportName, Path]]:
         """Completed exports of model ``name``, oldest first (by global step)."""

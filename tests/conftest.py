@@ -104,3 +104,117 @@ def tokenizer() -> Any:
     from areal_lightning.tools.demo import build_tokenizer
 
     return build_tokenizer()
+
+
+# -- a real S3 API server (moto) on 127.0.0.1 --------------------------------------------
+
+_S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Any:
+    """moto's S3 server on 127.0.0.1 (a free port), with the ``AWS_*`` environment pointing at
+    it for this process and the subprocesses it starts; yields the endpoint URL."""
+    pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in (*_S3_ENV, "AWS_ENDPOINT_URL")}
+    os.environ.update(_S3_ENV, AWS_ENDPOINT_URL=url)
+    try:
+        yield url
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+def s3_client(endpoint: str, **credentials: str) -> Any:
+    """A boto3 S3 client of the test server (default credentials: the environment's)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials)
+
+
+@pytest.fixture
+def s3_root(s3_server: str) -> str:
+    """``s3://{a fresh bucket}/root`` on the test server."""
+    import uuid
+
+    bucket = f"t-{uuid.uuid4().hex[:16]}"
+    s3_client(s3_server).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/root"
+
+
+def s3_objects(endpoint: str, uri: str) -> list[str]:
+    """Every object key under ``uri`` (a fresh listing, no cache)."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    keys: list[str] = []
+    for page in s3_client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys += [obj["Key"] for obj in page.get("Contents", [])]
+    return sorted(keys)
+
+
+def s3_uploads(endpoint: str, uri: str) -> list[str]:
+    """The keys of the incomplete multipart uploads under ``uri``."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    return sorted(u["Key"] for u in s3_client(endpoint).list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+                  .get("Uploads", []) or [])
+
+
+@pytest.fixture(scope="session")
+def s3_auth_server(tmp_path_factory) -> Any:
+    """A second moto server that checks credentials and IAM policies (a subprocess: moto's
+    auth switch is process-wide). Yields ``{"endpoint", "bucket", "admin", "no_put"}``, the last
+    two being credential dicts (``aws_access_key_id``, ``aws_secret_access_key``): ``admin`` may
+    do anything, ``no_put`` may list, read and delete but not write."""
+    pytest.importorskip("s3fs")
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}  # the 3 IAM calls that create the admin
+    log = open(tmp_path_factory.mktemp("moto-auth") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", "from moto.server import main; import sys; main(sys.argv[1:])",
+                             "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        kw = {"endpoint_url": url, "region_name": "us-east-1"}
+        iam = boto3.client("iam", aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap", **kw)
+        iam.create_user(UserName="admin")
+        key = iam.create_access_key(UserName="admin")["AccessKey"]
+        allow_all = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="admin", PolicyName="all", PolicyDocument=json.dumps(allow_all))
+        admin = {"aws_access_key_id": key["AccessKeyId"], "aws_secret_access_key": key["SecretAccessKey"]}
+        iam = boto3.client("iam", **admin, **kw)
+        iam.create_user(UserName="no-put")
+        key = iam.create_access_key(UserName="no-put")["AccessKey"]
+        read_only = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Resource": "*", "Action": [
+            "s3:GetObject", "s3:ListBucket", "s3:DeleteObject", "s3:ListBucketMultipartUploads"]}]}
+        iam.put_user_policy(UserName="no-put", PolicyName="ro", PolicyDocument=json.dumps(read_only))
+        no_put = {"aws_access_key_id": key["AccessKeyId"], "aws_secret_access_key": key["SecretAccessKey"]}
+        boto3.client("s3", **admin, **kw).create_bucket(Bucket="auth-bucket")
+        yield {"endpoint": url, "bucket": "auth-bucket", "admin": admin, "no_put": no_put}
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()

@@ -82,10 +82,11 @@ class CommitPoints:
 @runtime_checkable
 class CommitTarget(Protocol):
     """What a writer fills and how it is committed (``DCPCheckpointIO``'s ``storage_options``):
-    :class:`AtomicDir`, or the recover checkpoint's pair commit."""
+    :class:`AtomicDir`, the recover checkpoint's pair commit, or on an object store (``str``
+    URIs) a generation committed by its marker (:mod:`areal_lightning.commit.generations`)."""
 
-    final: Path
-    tmp: Path
+    final: Path | str
+    tmp: Path | str
 
     def create(self) -> Path:
         """Make (or reuse) the temporary folder; return it."""

@@ -20,14 +20,17 @@ by the rank that loads it, as it reads it). Checkpoints of earlier versions list
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from areal_lightning.errors import CheckpointCorruptError
 from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.objectstore import filesystem, strip
 from areal_lightning.write.checksum import (
     ALGORITHM,
     check_item,
+    crc32c,
     file_checksum,
     file_crc32c,
     read_item,
@@ -43,15 +46,75 @@ def _zlib_crc32(path: Path) -> int:
     return file_checksum(path, zlib.crc32)
 
 
-def metadata_checksum(ckpt_dir: Path, entry: dict[str, Any]) -> bool:
+Location = Union[Path, str]
+"""A checkpoint folder: a local ``Path``, or an object-store prefix URI (``str``)."""
+
+
+class _Objects:
+    """The files of a checkpoint on an object store: one listing, whole-object reads."""
+
+    def __init__(self, prefix: str, storage_options: Mapping[str, Any] | None) -> None:
+        self.prefix = prefix.rstrip("/")
+        self.fs = filesystem(prefix, storage_options)
+        self.fs.invalidate_cache(strip(self.fs, self.prefix))
+        try:
+            listing = self.fs.ls(strip(self.fs, self.prefix), detail=True, refresh=True)
+        except FileNotFoundError:
+            listing = []
+        self.sizes = {e["name"].rsplit("/", 1)[-1]: e.get("size") for e in listing if e.get("type") == "file"}
+
+    def path(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+    def read(self, rel: str) -> bytes:
+        return self.fs.cat_file(strip(self.fs, self.path(rel)))
+
+
+def metadata_checksum(ckpt_dir: Location, entry: dict[str, Any],
+                      storage_options: Mapping[str, Any] | None = None) -> bool:
     """Does ``ckpt_dir/.metadata`` have the checksum its manifest ``entry`` records?"""
+    if isinstance(ckpt_dir, str):
+        return crc32c(_Objects(ckpt_dir, storage_options).read(COMMIT_MARKER)) == entry.get(ALGORITHM)
     path = ckpt_dir / COMMIT_MARKER
     if isinstance(entry.get(ALGORITHM), int):
         return file_crc32c(path) == entry[ALGORITHM]
     return _zlib_crc32(path) == entry.get(LEGACY_ALGORITHM)
 
 
-def check_files(ckpt_dir: Path, files: dict[str, Any], where: Path, hint: str, *, data: bool | None = None) -> int:
+def check_files(ckpt_dir: Location, files: dict[str, Any], where: Location, hint: str, *, data: bool | None = None,
+                storage_options: Mapping[str, Any] | None = None) -> int:
+    """Check the checkpoint ``ckpt_dir`` against its manifest ``files``; return bytes read
+    (see :func:`_check_local`; on an object store the same, from one listing)."""
+    if isinstance(ckpt_dir, str):
+        return _check_objects(ckpt_dir, files, where, hint, data=data, storage_options=storage_options)
+    return _check_local(ckpt_dir, files, where, hint, data=data)
+
+
+def _check_objects(prefix: str, files: dict[str, Any], where: Location, hint: str, *, data: bool | None,
+                   storage_options: Mapping[str, Any] | None) -> int:
+    if COMMIT_MARKER not in files or not isinstance(files[COMMIT_MARKER], dict) \
+            or not isinstance(files[COMMIT_MARKER].get(ALGORITHM), int):
+        raise CheckpointCorruptError(f"{where} lists no {COMMIT_MARKER} with its {ALGORITHM}")
+    objects = _Objects(prefix, storage_options)
+    for rel, want in sorted(files.items()):
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int):
+            raise CheckpointCorruptError(f"{where}: bad entry for {rel!r}: {want!r}")
+        size = objects.sizes.get(rel)
+        if size is None:
+            raise CheckpointCorruptError(f"{objects.path(rel)} is missing: {hint}.")
+        if size != want["size"]:
+            raise CheckpointCorruptError(
+                f"{objects.path(rel)} has {size} bytes, expected {want['size']} (truncated?): {hint}.")
+    metadata = objects.read(COMMIT_MARKER)
+    if crc32c(metadata) != files[COMMIT_MARKER][ALGORITHM]:
+        raise CheckpointCorruptError(f"{objects.path(COMMIT_MARKER)} fails its CRC32C check (content altered): {hint}.")
+    nbytes = len(metadata)
+    if data:
+        nbytes += verify_files(prefix, hint, storage_options)
+    return nbytes
+
+
+def _check_local(ckpt_dir: Path, files: dict[str, Any], where: Location, hint: str, *, data: bool | None = None) -> int:
     """Check the checkpoint ``ckpt_dir`` against its manifest ``files``; return bytes read.
 
     Every file must exist with its recorded size, and ``.metadata`` must match its checksum.
@@ -89,24 +152,25 @@ def check_files(ckpt_dir: Path, files: dict[str, Any], where: Path, hint: str, *
     return nbytes
 
 
-def verify_files(ckpt_dir: Path, hint: str) -> int:
+def verify_files(ckpt_dir: Location, hint: str, storage_options: Mapping[str, Any] | None = None) -> int:
     """Read every item of every data file once, in offset order, checking length and CRC32C
     (the offline check; loads verify what they read themselves; an item without a recorded
     checksum is checked by length only). Returns bytes read."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from areal_lightning.write.dcp import reader_of
 
+    reader = reader_of(ckpt_dir, storage_options)
     try:
-        metadata = FileSystemReader(ckpt_dir).read_metadata()
+        metadata = reader.read_metadata()
     except Exception as exc:
-        raise CheckpointCorruptError(f"{ckpt_dir / COMMIT_MARKER} is unreadable ({exc!r}): {hint}.") from exc
+        raise CheckpointCorruptError(f"{ckpt_dir}/{COMMIT_MARKER} is unreadable ({exc!r}): {hint}.") from exc
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for index, info in (metadata.storage_data or {}).items():
         by_file.setdefault(info.relative_path, []).append((info, index))
     nbytes = 0
     for rel, entries in sorted(by_file.items()):
-        path = ckpt_dir / rel
+        path = reader.fs.concat_path(reader.path, rel)
         entries.sort(key=lambda entry: entry[0].offset)
-        with open(path, "rb") as f:
+        with reader.fs.create_stream(path, "rb") as f:
             for info, index in entries:
                 try:
                     data = read_item(f, path, info, index.fqn)

@@ -52,7 +52,7 @@ from areal_lightning.layout import (
 from areal_lightning.write.checksum import ALGORITHM, Written
 from areal_lightning.write.durable import fsync_dir
 
-__all__ = ["TrialLock", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_VERSION"]
+__all__ = ["TrialLock", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_VERSION", "check_info"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,8 @@ class TrialLock:
 
 class RecoverStore:
     """Paths, commit protocol, repair and validation of one trial's recover checkpoint."""
+
+    remote = False
 
     def __init__(self, layout: TrialLayout, name: str = "default") -> None:
         self.layout = layout
@@ -267,34 +269,17 @@ class RecoverStore:
         """True when ``recover_info/`` exists (a recover checkpoint is expected)."""
         return self.info_dir.is_dir()
 
+    def info_file(self, name: str) -> Path:
+        """Where the ``recover_info`` file ``name`` is."""
+        return self.info_dir / name
+
+    def checkpoint_path(self) -> Path:
+        """The DCP directory of the committed recover checkpoint."""
+        return self.ckpt_dir
+
     def read_info(self) -> dict[str, dict[str, Any]]:
         """All ``recover_info`` files, validated for syntax and mutual consistency."""
-        info = {name: _read_json(self.info_dir / name) for name in INFO_FILES}
-        ckpt, step = info[CHECKPOINT_INFO], info[STEP_INFO]
-        path = self.info_dir / CHECKPOINT_INFO
-        if ckpt.get("format_version") != FORMAT_VERSION:
-            raise CheckpointCorruptError(
-                f"{path}: format_version {ckpt.get('format_version')!r} is not {FORMAT_VERSION}, "
-                "the version this areal-lightning reads; resume with the version that wrote it, "
-                f"or {start_fresh(self.info_dir)}."
-            )
-        for key, types in (("global_step", int), ("files", dict), ("world_size", int), ("strategy", str),
-                           ("experiment_name", str), ("trial_name", str)):
-            if not isinstance(ckpt.get(key), types):
-                raise CheckpointCorruptError(
-                    f"{path}: {key!r} is missing or not a {types.__name__}; {start_fresh(self.info_dir)}.")
-        step_path = self.info_dir / STEP_INFO
-        for key in ("epoch", "epoch_step", "global_step"):
-            if not isinstance(step.get(key), int):
-                raise CheckpointCorruptError(
-                    f"{step_path}: {key!r} is missing or not an integer; {start_fresh(self.info_dir)}.")
-        if step.get("global_step") != ckpt["global_step"] - 1:
-            raise CheckpointCorruptError(
-                f"{step_path} says global step {step.get('global_step')!r} but "
-                f"{path} describes a checkpoint after {ckpt['global_step']} steps: recover_info/ does not "
-                f"describe the checkpoint that is there. {start_fresh(self.info_dir, sentence=True)}."
-            )
-        return info
+        return check_info({name: _read_json(self.info_dir / name) for name in INFO_FILES}, self.info_dir)
 
     def verify(self, checkpoint_info: dict[str, Any], data: bool | None = True) -> int:
         """Check the checkpoint's files against ``checkpoint_info``; return bytes read.
@@ -313,6 +298,36 @@ class RecoverStore:
             )
         hint = f"the recover checkpoint is damaged; restore the file or {start_fresh(self.info_dir)}"
         return check_files(self.ckpt_dir, checkpoint_info["files"], self.info_dir / CHECKPOINT_INFO, hint, data=data)
+
+
+def check_info(info: dict[str, dict[str, Any]], info_dir: Any) -> dict[str, dict[str, Any]]:
+    """Validate the ``recover_info`` files ``info`` (read from ``info_dir``, a folder or an
+    object-store prefix) for syntax and mutual consistency; return them."""
+    ckpt, step = info[CHECKPOINT_INFO], info[STEP_INFO]
+    path = f"{info_dir}/{CHECKPOINT_INFO}"
+    if ckpt.get("format_version") != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{path}: format_version {ckpt.get('format_version')!r} is not {FORMAT_VERSION}, "
+            "the version this areal-lightning reads; resume with the version that wrote it, "
+            f"or {start_fresh(info_dir)}."
+        )
+    for key, types in (("global_step", int), ("files", dict), ("world_size", int), ("strategy", str),
+                       ("experiment_name", str), ("trial_name", str)):
+        if not isinstance(ckpt.get(key), types):
+            raise CheckpointCorruptError(
+                f"{path}: {key!r} is missing or not a {types.__name__}; {start_fresh(info_dir)}.")
+    step_path = f"{info_dir}/{STEP_INFO}"
+    for key in ("epoch", "epoch_step", "global_step"):
+        if not isinstance(step.get(key), int):
+            raise CheckpointCorruptError(
+                f"{step_path}: {key!r} is missing or not an integer; {start_fresh(info_dir)}.")
+    if step.get("global_step") != ckpt["global_step"] - 1:
+        raise CheckpointCorruptError(
+            f"{step_path} says global step {step.get('global_step')!r} but "
+            f"{path} describes a checkpoint after {ckpt['global_step']} steps: recover_info/ does not "
+            f"describe the checkpoint that is there. {start_fresh(info_dir, sentence=True)}."
+        )
+    return info
 
 
 def _is_leftover_of(name: str, final: str) -> bool:

@@ -53,12 +53,15 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
 from areal_lightning.commit.atomic import AtomicDir, CommitTarget, clean_leftovers
+from areal_lightning.layout import new_token
 from areal_lightning.config import IO_MODES
 from areal_lightning.errors import ConfigError
-from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, check_local, leftover_of
+from areal_lightning.commit.generations import GenerationCommit, Generations, resolve
+from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
 from areal_lightning.lightning.bridge import install_bridge
 from areal_lightning.namespaces import bases
+from areal_lightning.objectstore import check_path, is_remote, validate_options
 from areal_lightning.write.checksum import Written
 from areal_lightning.write.dcp import DCPEngine
 
@@ -83,18 +86,25 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
             (``dcp.async_save`` with one long-lived stager; one save in flight), or
             ``"auto"`` (async where supported, else sync with one warning).
         thread_count: writer threads; each writes its own ``__0_{i}.distcp`` file.
+        storage_options: options of the object-store file system for ``s3://`` / ``gs://`` /
+            ``az://`` paths (credentials and endpoint otherwise come from the standard
+            provider chains, e.g. ``AWS_*`` environment variables). On an object store each
+            save is a new generation ``{path}/{token}/`` committed by a marker object written
+            last (:mod:`areal_lightning.commit.generations`); a load reads the newest one.
 
     Example:
         >>> trainer = Trainer(plugins=[DCPCheckpointIO("async")], callbacks=[StagingWaitCallback()])  # doctest: +SKIP
         >>> trainer.save_checkpoint("ckpt/step100")  # a DCP directory  # doctest: +SKIP
     """
 
-    def __init__(self, mode: str = "auto", *, thread_count: int = 2) -> None:
+    def __init__(self, mode: str = "auto", *, thread_count: int = 2,
+                 storage_options: Optional[dict[str, Any]] = None) -> None:
         if mode not in IO_MODES:
             raise ConfigError("mode", f"DCPCheckpointIO: mode={mode!r} is not allowed; choose one of {', '.join(IO_MODES)}")
         self._mode = mode
         self._resolved: str | None = None
         self._engine = DCPEngine(thread_count=thread_count)
+        self._engine.storage_options = validate_options(storage_options)
         self._staging_waiters = 0
 
     @property
@@ -147,7 +157,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         one replaces it. ``storage_options`` may be a commit target
         (:class:`~areal_lightning.commit.atomic.CommitTarget`: what ``RecoverCallback``
         passes through ``trainer.save_checkpoint``) to write and commit instead."""
-        check_local(os.fspath(path), "path")
+        check_path(os.fspath(path), "path")
         target = self._target(path, storage_options)
         asynchronous = self.resolved_mode == "async"
         start = time.perf_counter()
@@ -170,22 +180,23 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
             self._engine.wait_for_staging()
         log.debug("save_checkpoint(%s, %s) held the caller %.3f s", path, self.resolved_mode, time.perf_counter() - start)
 
-    @staticmethod
-    def target(path: PathLike, token: str | None = None) -> "CheckpointDir":
+    def target(self, path: PathLike, token: str | None = None) -> CommitTarget:
         """The commit of a plain save to ``path`` (every rank of a collective save passes
-        rank 0's ``token``)."""
+        rank 0's ``token``): an atomic folder, or a new generation on an object store."""
+        if is_remote(path):
+            return GenerationCommit(str(path), token or new_token(), self._engine.storage_options)
         return CheckpointDir(Path(path), token)
 
     def repair(self, path: PathLike) -> bool:
         """Finish a save to ``path`` a crash interrupted between its two renames
-        (:meth:`AtomicDir.roll_forward`); returns whether anything was done."""
-        return AtomicDir.roll_forward(Path(path))
+        (:meth:`AtomicDir.roll_forward`); returns whether anything was done (never anything
+        on an object store: a generation without its marker does not exist)."""
+        return False if is_remote(path) else AtomicDir.roll_forward(Path(path))
 
-    @classmethod
-    def _target(cls, path: PathLike, storage_options: Any) -> CommitTarget:
+    def _target(self, path: PathLike, storage_options: Any) -> CommitTarget:
         if storage_options is None:
-            return cls.target(path)
-        if isinstance(storage_options, CommitTarget) and isinstance(storage_options.tmp, Path):
+            return self.target(path)
+        if isinstance(storage_options, CommitTarget) and isinstance(storage_options.tmp, (Path, str)):
             return storage_options
         raise TypeError("DCPCheckpointIO.save_checkpoint: storage_options must be None or a commit target "
                         f"(areal_lightning.commit.atomic.AtomicDir, RecoverStore.target), got {storage_options!r}")
@@ -203,13 +214,15 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         restricts the non-tensor state as ``torch.load`` does (``None`` = torch's default).
         ``template``: nested dict whose tensors (e.g. a sharded model's DTensors, by the
         checkpoint's dotted paths) are loaded in place, resharded by DCP."""
-        check_local(os.fspath(path), "path")
+        check_path(os.fspath(path), "path")
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(
                 f"DCPCheckpointIO.load_checkpoint: map_location must be None, a torch.device or a device "
                 f"string, got {type(map_location).__name__}"
             )
-        if not self._engine.is_collective():  # collective loads: the bridge repairs on rank 0 first
+        if is_remote(path):
+            path = resolve(str(path), self._engine.storage_options)
+        elif not self._engine.is_collective():  # collective loads: the bridge repairs on rank 0 first
             self.repair(path)
         checkpoint = self._engine.load(path, template=template, weights_only=weights_only)
         if map_location is not None and torch.device(map_location).type != "cpu":
@@ -218,7 +231,13 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
 
     def remove_checkpoint(self, path: PathLike) -> None:
         """Delete the checkpoint at ``path``, waiting first if it is being written."""
-        check_local(os.fspath(path), "path")
+        check_path(os.fspath(path), "path")
+        if is_remote(path):  # every generation, marker first
+            self._engine.join(path)
+            generations = Generations(str(path), self._engine.storage_options)
+            for gen in generations.names():
+                generations.delete(gen)
+            return
         self._engine.remove(path)
 
     def wait_for_staging(self) -> None:

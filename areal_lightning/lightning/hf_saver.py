@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,7 +20,8 @@ from areal_lightning.collective import (
     validate_timeout,
 )
 from areal_lightning.commit.atomic import clean_stale_tmp
-from areal_lightning.commit.retention import keep_newest
+from areal_lightning.commit.retention import keep_newest, keep_newest_remote
+from areal_lightning.commit.upload import clean_uncommitted_exports, folder_bytes_remote
 from areal_lightning.config import (
     DEFAULT_SHARDED_METHOD,
     ConfigError,
@@ -30,6 +32,7 @@ from areal_lightning.config import (
 )
 from areal_lightning.hf_export import HFExporter, validate_method, validate_peft_export
 from areal_lightning.layout import TrialLayout
+from areal_lightning.objectstore import is_remote, is_uri, probe
 from areal_lightning.lightning._internals import callback_state_key
 from areal_lightning.namespaces import bases
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
@@ -93,6 +96,13 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             writes, small, loaded with ``AutoPeftModelForCausalLM``), ``"merged"`` (full weights with the
             adapters merged in, loaded with ``AutoModelForCausalLM``: what an inference engine takes) or
             ``"both"`` (merged in the folder, the adapter in its ``adapter/`` subfolder).
+        storage_options: options of the object-store file system when ``fileroot`` is an
+            ``s3://`` / ``gs://`` / ``az://`` URI (credentials otherwise come from the standard
+            provider chain). On an object store each export is written to ``staging_dir``,
+            uploaded in parallel and committed by a ``COMMITTED.json`` marker written last;
+            :func:`areal_lightning.download_export` fetches one for ``from_pretrained``.
+        staging_dir: the node-local folder object-store exports are written in first
+            (default ``$TMPDIR/areal-lightning-staging``).
 
     Example:
         >>> saver = HFSaverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
@@ -118,12 +128,15 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         sharded_method: str = DEFAULT_SHARDED_METHOD,
         collective_timeout: float = DEFAULT_TIMEOUT_S,
         peft_export: str = "adapter",
+        storage_options: dict[str, Any] | None = None,
+        staging_dir: str | Path | None = None,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
             experiment_name=experiment_name,
             trial_name=trial_name,
             user=user,
+            storage_options=storage_options,
             saver=SaverConfig(
                 mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps, freq_secs=freq_secs, max_keep=max_keep
             ),
@@ -138,7 +151,17 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self.ranks = CheckpointGroup(self.collective_timeout)
         """The dedicated gloo group of this callback's collectives (shared with its exporter)."""
         self.config: SaverConfig = exp.saver
-        self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
+        remote = is_remote(exp.fileroot)
+        self.layout = TrialLayout(exp.fileroot if remote else Path(exp.fileroot), exp.resolved_user,
+                                  exp.experiment_name, exp.trial_name)
+        self.storage_options = exp.storage_options or {}
+        if staging_dir is not None and not isinstance(staging_dir, (str, os.PathLike)) or is_uri(staging_dir):
+            raise ConfigError("staging_dir", f"expected a local folder path or None, got {staging_dir!r}")
+        self.staging_dir = Path(staging_dir) if staging_dir is not None else None
+        if remote and sharded_method == "dcp":
+            raise ConfigError("sharded_method", "'dcp' writes every rank's shards into one shared folder that rank 0 "
+                                                "then consolidates; with an object-store fileroot use 'gather' (the "
+                                                "default: rank 0 stages the export locally and uploads it)")
         self.model_attr = model_attr
         self.tokenizer = tokenizer
         self.max_shard_size = max_shard_size
@@ -180,6 +203,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             freq_steps=s.freq_steps,
             freq_secs=s.freq_secs,
             max_keep=s.max_keep,
+            storage_options=kwargs.pop("storage_options", exp.storage_options),
             **kwargs,
         )
 
@@ -236,6 +260,14 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         if stage != "fit":
             return
         self.resolve_model(pl_module)  # fail before training, not at the first save
+        if self.layout.remote:  # every rank can write, read and delete in the bucket, or all raise now
+            error: BaseException | None = None
+            try:
+                if trainer.is_global_zero:
+                    probe(str(self.model_dir), self.storage_options, trainer.global_rank)
+            except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+                error = exc
+            self.ranks.agree(error, "HFSaverCallback setup (object-store check)")
         self.resolved_mode = None  # resolved at the first save, once every callback's setup ran
         self.freq.start()
 
@@ -315,7 +347,8 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                 self.resolved_mode = self._resolve_mode(trainer)
             self._exporter = HFExporter(method=self.sharded_method, asynchronous=self.resolved_mode == "async",
                                         max_shard_size=self.max_shard_size, name=self.name, ranks=self.ranks,
-                                        peft_export=self.peft_export)
+                                        peft_export=self.peft_export, storage_options=self.storage_options,
+                                        staging=self.staging_dir)
 
         def published(path: Path, blocked: float | None) -> None:
             self._published(path, start, steps, blocked)
@@ -329,10 +362,15 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     def _published(self, final: Path, start: float, step: int, blocked: float | None) -> None:
         """Rank 0, once ``final`` is in place: telemetry, ``max_keep`` pruning, stale temp cleanup."""
         total = time.perf_counter() - start
-        self.telemetry.record(SaveReport("hf", step, str(final), total if blocked is None else blocked, total,
-                                         folder_bytes(final)))
-        keep_newest(self.layout, self.name, self.config.max_keep)
-        clean_stale_tmp(self.model_dir)
+        remote = self.layout.remote
+        size = folder_bytes_remote(str(final), self.storage_options) if remote else folder_bytes(final)
+        self.telemetry.record(SaveReport("hf", step, str(final), total if blocked is None else blocked, total, size))
+        if remote:
+            keep_newest_remote(str(self.model_dir), self.config.max_keep, self.storage_options)
+            clean_uncommitted_exports(str(self.model_dir), self.storage_options)
+        else:
+            keep_newest(self.layout, self.name, self.config.max_keep)
+            clean_stale_tmp(self.model_dir)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -349,4 +387,4 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self.freq.load_state_dict(state_dict.get("freq", {}))
         self.position.load_state_dict(state_dict)
         last = state_dict.get("last_export")
-        self.last_export = Path(last) if last else None
+        self.last_export = (last if is_remote(last) else Path(last)) if last else None

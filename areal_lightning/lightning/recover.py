@@ -17,6 +17,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, validate_timeout
+from areal_lightning.commit.object_recover_store import ObjectRecoverStore
 from areal_lightning.commit.recover_store import RecoverStore
 from areal_lightning.config import (
     IO_MODES,
@@ -32,6 +33,7 @@ from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
 from areal_lightning.lightning.recover_session import RecoverSession
 from areal_lightning.lightning.recover_state import RecoverState
 from areal_lightning.namespaces import bases, classes
+from areal_lightning.objectstore import is_remote
 from areal_lightning.telemetry import Telemetry
 from areal_lightning.trigger import FreqController, SaveSchedule, StepInfo
 from areal_lightning.trigger.preempt import (
@@ -112,6 +114,10 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             Under ``SLURMEnvironment(auto_requeue=True)`` its requeue signal is handled so too,
             followed by ``scontrol requeue`` (instead of Lightning's save from inside the handler).
         preempt_exit_code: the exit code of a preempted run (default 75, ``EX_TEMPFAIL``).
+        storage_options: options of the object-store file system when ``fileroot`` is an
+            ``s3://`` / ``gs://`` / ``az://`` URI (e.g. ``{"endpoint_url": ...}``, ``{"profile":
+            ...}``); credentials otherwise come from the provider's standard chain (``AWS_*``
+            environment variables, profiles, instance roles). Never written to ``recover_info/``.
         weights_only: unpickle the checkpoint's non-tensor state as ``torch.load(...,
             weights_only=True)`` does (default). Hyper-parameters holding other objects are
             then refused with an explanation: allowlist their types with
@@ -143,12 +149,14 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         fast_forward: str = "sampler",
         preempt_signals: Any = DEFAULT_PREEMPT_SIGNALS,
         preempt_exit_code: int = PREEMPTED_EXIT_CODE,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
             experiment_name=experiment_name,
             trial_name=trial_name,
             user=user,
+            storage_options=storage_options,
             recover=RecoverConfig(mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps,
                                   freq_secs=freq_secs, retries=retries, preempt_signals=preempt_signals,  # type: ignore[arg-type]
                                   fast_forward=fast_forward),
@@ -167,8 +175,11 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self.experiment = exp
         _warn_torchrun_shared_store()
         self.name = validate_model_name(name, "name")
-        self.layout = TrialLayout(Path(exp.fileroot), exp.resolved_user, exp.experiment_name, exp.trial_name)
-        self.store = RecoverStore(self.layout, self.name)
+        self.layout = TrialLayout(exp.fileroot if is_remote(exp.fileroot) else Path(exp.fileroot),
+                                  exp.resolved_user, exp.experiment_name, exp.trial_name)
+        self.storage_options = exp.storage_options or {}
+        self.store = (ObjectRecoverStore(self.layout, self.name, self.storage_options) if self.layout.remote
+                      else RecoverStore(self.layout, self.name))
         self.io_mode = io_mode
         self.weights_only = weights_only
         self.collective_timeout = validate_timeout(collective_timeout)
@@ -194,7 +205,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         return cls(fileroot=exp.fileroot, experiment_name=exp.experiment_name, trial_name=exp.trial_name,
                    user=exp.user, mode=r.mode, freq_epochs=r.freq_epochs, freq_steps=r.freq_steps,
                    freq_secs=r.freq_secs, retries=r.retries,
-                   **{"preempt_signals": r.preempt_signals, "fast_forward": r.fast_forward, **kwargs})
+                   **{"preempt_signals": r.preempt_signals, "fast_forward": r.fast_forward,
+                      "storage_options": exp.storage_options, **kwargs})
 
     @property
     def enabled(self) -> bool:
@@ -367,4 +379,4 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             return None
         info = self.store.read_info()
         self.store.verify(info[CHECKPOINT_INFO])
-        return self.store.ckpt_dir
+        return self.store.checkpoint_path()

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from areal_lightning.capture.compiled import live_names
 from areal_lightning.collective import check_shared_storage
+from areal_lightning.commit.generations import resolve
 from areal_lightning.commit.recover_store import RecoverStore, TrialLock
 from areal_lightning.errors import CheckpointCorruptError, ConfigError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, DATALOADER_INFO, STATS_LOGGER_INFO, STEP_INFO
@@ -59,6 +60,7 @@ from areal_lightning.lightning.recover_state import (
     describe,
     step_info,
 )
+from areal_lightning.objectstore import is_remote, probe
 from areal_lightning.lightning.resume import (
     ResumePlan,
     agreed_plan,
@@ -84,15 +86,22 @@ def _parse_time(value: Any) -> float | None:
         return None
 
 
-def _is_dcp_dir(path: Any) -> bool:
-    """A DCP checkpoint directory (a recover checkpoint, or a copy of one): it has ``.metadata``."""
+def _is_dcp_dir(path: Any, storage_options: Any = None) -> bool:
+    """A DCP checkpoint directory (a recover checkpoint, or a copy of one): it has ``.metadata``
+    (on an object store: it, or its newest committed generation, has one)."""
+    if is_remote(path):
+        try:
+            resolve(path, storage_options)
+        except (FileNotFoundError, OSError):
+            return False
+        return True
     try:
         return (Path(path) / COMMIT_MARKER).is_file()
     except (TypeError, OSError):
         return False
 
 
-def recover_io(trainer: Any, io_mode: str) -> tuple[DCPCheckpointIO, bool]:
+def recover_io(trainer: Any, io_mode: str, storage_options: Any = None) -> tuple[DCPCheckpointIO, bool]:
     """The ``DCPCheckpointIO`` the recover checkpoints go through, and whether it is the
     Trainer's own: the user passed ``plugins=[DCPCheckpointIO()]`` (their checkpoints are DCP
     too, and the strategy is bridged for the whole run); otherwise a private one, used only
@@ -100,8 +109,10 @@ def recover_io(trainer: Any, io_mode: str) -> tuple[DCPCheckpointIO, bool]:
     the user's CheckpointIO (Lightning's single file by default)."""
     io = find_io(trainer)
     if io is not None:
+        if storage_options and not io.engine.storage_options:
+            io.engine.storage_options = dict(storage_options)
         return io, True
-    return DCPCheckpointIO(io_mode), False
+    return DCPCheckpointIO(io_mode, storage_options=storage_options), False
 
 
 class RecoverSession:
@@ -126,7 +137,7 @@ class RecoverSession:
         self.collective_timeout = collective_timeout
         self._save_requested = save
         self._stop = stop
-        self.io, self._trainer_io = recover_io(trainer, io_mode)
+        self.io, self._trainer_io = recover_io(trainer, io_mode, getattr(store, "storage_options", None))
         self.plan: ResumePlan | None = None
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
         self._resuming = False
@@ -159,13 +170,17 @@ class RecoverSession:
         self.ranks.configure(self.collective_timeout)
         error: BaseException | None = None
         try:
-            if trainer.is_global_zero:
+            if self.store.remote:  # every rank can write, read and delete under the trial prefix
+                probe(self.store.layout.trial_dir, self.store.storage_options, trainer.global_rank)
+            elif trainer.is_global_zero:
                 self._lock = TrialLock(self.store.layout.trial_dir)
                 self._lock.acquire()
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
-        self.ranks.agree(error, "RecoverCallback setup (trial lock)")
-        check_shared_storage(self.ranks, self.store.layout.trial_dir, trainer.is_global_zero)
+        self.ranks.agree(error, "RecoverCallback setup (object-store check)" if self.store.remote
+                         else "RecoverCallback setup (trial lock)")
+        if not self.store.remote:
+            check_shared_storage(self.ranks, self.store.layout.trial_dir, trainer.is_global_zero)
         wrap_resume_start(trainer, self._patch, self._resume_start)
         wrap_train_dataloader(trainer, self._patch, self._train_dataloader)
         wrap_step_end(trainer, self._patch, self._step_end)
@@ -203,7 +218,7 @@ class RecoverSession:
         def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
             if checkpoint_path is not None:
                 log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
-                if not _is_dcp_dir(checkpoint_path):  # the user's own checkpoint: their CheckpointIO
+                if not _is_dcp_dir(checkpoint_path, self.io.engine.storage_options):  # the user's own checkpoint: their CheckpointIO
                     return original(checkpoint_path, weights_only)
                 with bridged(trainer.strategy, self.io):  # a recover checkpoint (or a copy of one)
                     original(checkpoint_path, weights_only)

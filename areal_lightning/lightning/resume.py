@@ -75,7 +75,7 @@ def plan_resume(store: RecoverStore, experiment: ExperimentConfig, trainer: Any)
         return None
     info = store.read_info()
     ckpt = info[CHECKPOINT_INFO]
-    path = store.info_dir / CHECKPOINT_INFO
+    path = store.info_file(CHECKPOINT_INFO)
     expected = {"experiment_name": experiment.experiment_name, "trial_name": experiment.trial_name}
     for key, value in expected.items():
         if ckpt[key] != value:
@@ -97,7 +97,7 @@ def plan_resume(store: RecoverStore, experiment: ExperimentConfig, trainer: Any)
                     ckpt["world_size"], ckpt["strategy"], trainer.world_size, strategy)
     start = time.perf_counter()
     nbytes = store.verify(ckpt, data=None)  # presence, sizes, .metadata: each rank verifies what it loads
-    return ResumePlan(store.ckpt_dir, info, nbytes, time.perf_counter() - start)
+    return ResumePlan(store.checkpoint_path(), info, nbytes, time.perf_counter() - start)
 
 
 def agreed_plan(store: RecoverStore, experiment: ExperimentConfig, trainer: Any,

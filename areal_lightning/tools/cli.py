@@ -5,6 +5,7 @@
 - ``areal-lightning inspect PATH [--verify] [--json] [--user U --experiment E --trial T]``: a
   read-only report of the exports and the recover checkpoint of trials (exit 0 valid, 1 invalid,
   2 usage error).
+- ``areal-lightning download URI [DEST]``: fetch a committed HF export from an object store.
 - ``areal-lightning certify [--points all|P1,P2] [--modes sync,async] [--json FILE] [--timeout S]
   -- <training command with {root} {mode}>``: SIGKILL the command at every fault point, rerun it,
   check the exact resume (exit 0 all passed, 1 a case failed, 2 usage error).
@@ -57,6 +58,18 @@ def _run(args: argparse.Namespace) -> int:
     return run_with_retries(command, retries)
 
 
+def _download(args: argparse.Namespace) -> int:
+    from areal_lightning.tools.download import download_export
+
+    try:
+        path = download_export(args.uri, args.dest)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"areal-lightning download: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from areal_lightning.tools.inspect import run_inspect
 
@@ -103,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--experiment", default=None, help="only trials of this experiment")
     insp.add_argument("--trial", default=None, help="only trials with this name")
     insp.set_defaults(func=_inspect)
+    down = sub.add_parser(
+        "download", help="download a committed HF export from an object store (for from_pretrained)",
+        description="Download the committed HF export at URI (an export folder, or a model folder: its newest "
+                    "export) into DEST and print DEST. Exit code 0: done; 2: nothing committed there or DEST not "
+                    "empty.")
+    down.add_argument("uri", help="s3://.../{trial}/{model}/epoch{E}epochstep{S}globalstep{G} or s3://.../{trial}/{model}")
+    down.add_argument("dest", nargs="?", default=None, help="local folder (default: a new temporary one)")
+    down.set_defaults(func=_download)
     cert = sub.add_parser(
         "certify", help="SIGKILL a training command at every checkpoint fault point and prove it resumes exactly",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -48,9 +48,9 @@ from areal_lightning.layout import (
     STEP_INFO,
     TMP_PREFIX,
     TrialLayout,
-    check_local,
     parse_export_name,
 )
+from areal_lightning.objectstore import check_path, is_remote
 
 __all__ = ["InspectUsageError", "inspect_trial", "inspect_path", "render_reports", "run_inspect"]
 
@@ -553,7 +553,11 @@ def inspect_path(path: str | os.PathLike[str], verify: bool = False, user: str |
         >>> [r["valid"] for r in inspect_path("/data/ckpt", experiment="ppo-7b")]  # doctest: +SKIP
         [True, True]
     """
-    check_local(os.fspath(path), "path")
+    check_path(os.fspath(path), "path")
+    if is_remote(os.fspath(path)):
+        from areal_lightning.tools.inspect_remote import inspect_remote
+
+        return inspect_remote(os.fspath(path), verify=verify, user=user, experiment=experiment, trial=trial)
     return [inspect_trial(t, verify=verify) for t in find_trials(path, user, experiment, trial)]
 
 

@@ -89,6 +89,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem  # private module: pinned in tests/test_objectstore.py
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -114,10 +115,11 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 from torch.futures import Future as TorchFuture
 
-from areal_lightning._fault import fault_point
+from areal_lightning._fault import fault_enabled, fault_point
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.objectstore import filesystem, is_remote, strip
 from areal_lightning.stage.host import bind_thread_to, cuda_device
 from areal_lightning.stage.worker import BackgroundWorker
 from areal_lightning.write.checksum import (
@@ -155,6 +157,95 @@ _ENGINES = itertools.count()
 _IN_FLIGHT: "weakref.WeakValueDictionary[str, BackgroundWorker]" = weakref.WeakValueDictionary()
 
 
+
+
+# --------------------------------------------------------------------------------------
+# Where a checkpoint lives: a local folder (Path) or an object-store prefix (str URI)
+
+Location = Union[Path, str]
+"""A checkpoint directory: a local ``Path``, or an object-store URI (``s3://...``) as ``str``."""
+
+
+def location(path: PathLike) -> Location:
+    """``path`` as a :data:`Location`: a supported object-store URI stays a ``str``, anything else is a ``Path``."""
+    return path if isinstance(path, str) and is_remote(path) else Path(path)
+
+
+def _key(path: PathLike) -> str:
+    """The identity of a checkpoint path in this process (absolute for local paths)."""
+    return path if isinstance(path, str) and is_remote(path) else os.path.abspath(path)
+
+
+class _ObjectFileSystem(FsspecFileSystem):
+    """torch's fsspec ``FileSystem`` for object stores: our file system instance (with the
+    caller's ``storage_options``), and no ``makedirs`` (object stores have no folders, and
+    s3fs's may call ``CreateBucket``, which least-privilege credentials refuse)."""
+
+    def __init__(self, storage_options: Mapping[str, Any]) -> None:
+        super().__init__()
+        self._options = dict(storage_options)
+
+    def init_path(self, path: Any, **kwargs: Any) -> Any:
+        self.fs = filesystem(str(path), self._options)
+        return str(path)
+
+    def mkdir(self, path: Any) -> None:
+        """Nothing to create on an object store."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Any:
+        """The object ``path`` opened in ``mode``. A write that fails is *discarded*: its
+        multipart upload is aborted and no object appears (closing the file, as torch's
+        fsspec stream does on an error, would upload the truncated buffer as an object)."""
+        stream = self.fs.open(str(path), mode)
+        if not any(ch in mode for ch in "wax+"):
+            with stream:
+                yield stream
+            return
+        upload = _Upload(stream)
+        try:
+            yield upload
+        except BaseException as exc:
+            stream.discard()  # s3fs: aborts the multipart upload; nothing is uploaded at close
+            stream.closed = True
+            if upload.error is not None and upload.error is not exc:
+                # torch.save's zip writer reports a failed write as "unexpected pos": the cause is this
+                raise upload.error from exc
+            raise
+        stream.close()
+
+
+class _Upload:
+    """An object being written: keeps the first error of a ``write`` (a failed part upload),
+    which ``torch.save``'s zip writer would otherwise replace by its own message, and reports
+    the fault point ``objectstore.mid_upload`` once the first part of a multipart upload is
+    sent (the object is then incomplete and invisible)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._watch = fault_enabled()
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written = self._raw.write(data)
+            if self._watch and getattr(self._raw, "parts", None):
+                self._watch = False
+                fault_point("objectstore.mid_upload")
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+def _on_object_store(storage: Any, path: Location, storage_options: Mapping[str, Any]) -> None:
+    """Point a DCP ``FileSystemWriter``/``Reader`` at the object-store prefix ``path`` (what
+    torch's ``FsspecWriter``/``FsspecReader`` do, with :class:`_ObjectFileSystem`)."""
+    storage.fs = _ObjectFileSystem(storage_options)
+    storage.path = storage.fs.init_path(path)
 
 
 # --------------------------------------------------------------------------------------
@@ -201,8 +292,6 @@ class _CommitWriter(FileSystemWriter):
             del self.fs.create_stream
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        from areal_lightning._fault import fault_enabled
-
         # Fault point "engine.after_shard_file" after each shard file is written, fsynced and
         # closed. DCP writes the files from its writer threads (and an async save runs this in
         # a background thread): a "kill" SIGKILLs the whole process from any of them; a
@@ -235,7 +324,8 @@ class _CommitWriter(FileSystemWriter):
         streams: dict[str, HashingStream] = {}
         with self._hashed(streams.__setitem__):
             super().finish(metadata, results)
-        fsync_dir(Path(self.path))
+        if isinstance(self.path, Path):  # an object becomes visible complete, nothing to sync
+            fsync_dir(self.path)
         (name, stream), = streams.items()  # the .metadata written (as a tmp file, then renamed)
         self.checksums.written.nbytes += stream.pos
         self.checksums.written.files = manifest_of(metadata.storage_data, stream, COMMIT_MARKER)
@@ -358,8 +448,8 @@ class _AdoptingReader(FileSystemReader):
         """Read, verify and load the items of one file, in offset order."""
         stats = Read()
         entries.sort(key=lambda entry: entry[0].offset)
-        path = Path(self.path) / relative_path
-        with open(path, "rb") as file:
+        path = self.fs.concat_path(self.path, relative_path)
+        with self.fs.create_stream(path, "rb") as file:
             for info, item in entries:
                 key = item.storage_index.fqn
                 try:
@@ -423,10 +513,28 @@ def _then(upload: Future, then: Callable[[Written], None] | None, what: str, wri
     return done
 
 
-def check_complete(path: PathLike) -> Path:
-    """Return ``path`` as a ``Path`` if it is a committed DCP directory, else raise
+def reader_of(path: PathLike, storage_options: Mapping[str, Any] | None = None) -> "_AdoptingReader":
+    """This engine's DCP reader of the checkpoint at ``path`` (a local folder or an object-store prefix)."""
+    path = location(path)
+    reader = _AdoptingReader(path)
+    if isinstance(path, str):
+        _on_object_store(reader, path, storage_options or {})
+    return reader
+
+
+def check_complete(path: PathLike, storage_options: Mapping[str, Any] | None = None) -> Location:
+    """Return ``path`` as a :data:`Location` if it is a committed DCP directory, else raise
     ``FileNotFoundError`` (nothing there) or :class:`CheckpointCorruptError`."""
-    path = Path(path)
+    path = location(path)
+    if isinstance(path, str):
+        fs = filesystem(path, storage_options)
+        fs.invalidate_cache(strip(fs, path))
+        if not fs.exists(strip(fs, f"{path.rstrip('/')}/{COMMIT_MARKER}")):
+            if not fs.exists(strip(fs, path)):
+                raise FileNotFoundError(f"checkpoint not found: {path}")
+            raise CheckpointCorruptError(
+                f"{path} has no {COMMIT_MARKER}: the save was interrupted or the prefix is not a DCP checkpoint")
+        return path
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if not path.is_dir():
@@ -480,6 +588,8 @@ class DCPEngine:
         self.collective = collective
         self.ranks = CheckpointGroup(collective_timeout)
         """The dedicated gloo group (with its own timeout) of collective saves."""
+        self.storage_options: dict[str, Any] = {}
+        """Options of the object-store file system (credentials, endpoint...) for URI paths."""
         self._worker = BackgroundWorker("areal-dcp")
         self._plan_keys: set[str] = set()
         self._serial = next(_ENGINES)
@@ -521,7 +631,7 @@ class DCPEngine:
         In a collective sync save every rank then agrees that it succeeded, so a failure of
         rank 0's ``then`` is raised on every rank. ``label`` names the save in messages and
         in :attr:`in_flight` (default: ``path``)."""
-        path = Path(path)
+        path = location(path)
         label = str(label if label is not None else path)
         what = label if label == str(path) else f"{label} (written at {path})"
         collective = self.is_collective()
@@ -537,8 +647,14 @@ class DCPEngine:
                 # Collective save: rank 0's skeleton describes the checkpoint; the others'
                 # contribute tensors only (DCP would keep one arbitrary rank's byte item).
                 flat.pop(SKELETON_KEY)
-            _invalidate(path, withdraw_marker=rank == 0)
-            writer = _CommitWriter(path, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count)
+            if isinstance(path, str):  # object store: a fresh generation prefix, no folders to make
+                writer = _CommitWriter(path, single_file_per_rank=True, sync_files=False,
+                                       thread_count=self.thread_count)
+                _on_object_store(writer, path, self.storage_options)
+            else:
+                _invalidate(path, withdraw_marker=rank == 0)
+                writer = _CommitWriter(path, single_file_per_rank=True, sync_files=True,
+                                       thread_count=self.thread_count)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the agreement (on every rank)
             if not collective:
                 raise
@@ -590,7 +706,7 @@ class DCPEngine:
             upload, staged = response, None
         self._worker.track(label, _then(upload, then, what, writer.checksums.written), staged)
         self.last_written = writer.checksums.written  # filled in as the background save runs
-        _IN_FLIGHT[os.path.abspath(label)] = self._worker
+        _IN_FLIGHT[_key(label)] = self._worker
 
     def wait_for_staging(self) -> None:
         """Return once the in-flight async save no longer reads the live tensors."""
@@ -608,7 +724,7 @@ class DCPEngine:
         """Wait for the save in flight (and its ``then``), and for another engine of this
         process still writing ``path``; keep a failure for the next raising call."""
         self._worker.join()
-        owner = _IN_FLIGHT.get(os.path.abspath(path)) if path is not None else None
+        owner = _IN_FLIGHT.get(_key(path)) if path is not None else None
         if owner is not None and owner.in_flight is not None:
             owner.join()
 
@@ -640,11 +756,12 @@ class DCPEngine:
         place; all other tensors are allocated on CPU from the saved metadata.
         ``weights_only`` is applied to the skeleton as ``torch.load`` would."""
         self.join(path)  # also another engine of this process still writing it
-        path = check_complete(path)
+        path = check_complete(path, self.storage_options)
+        reader = reader_of(path, self.storage_options)
         try:
-            metadata = FileSystemReader(path).read_metadata()
+            metadata = reader.read_metadata()
         except Exception as exc:
-            raise CheckpointCorruptError(f"{path / COMMIT_MARKER} is unreadable: {exc!r}") from exc
+            raise CheckpointCorruptError(f"{path}/{COMMIT_MARKER} is unreadable: {exc!r}") from exc
         entries = metadata.state_dict_metadata
         if not isinstance(entries.get(SKELETON_KEY), BytesStorageMetadata):
             raise CheckpointCorruptError(
@@ -662,7 +779,6 @@ class DCPEngine:
                     flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
                     allocated.add(fqn)
         planner = _TemplateLoadPlanner(weights_only, allocated)
-        reader = _AdoptingReader(path)
         self.last_read = reader.stats
         try:
             # Always rank-local: every rank reads the shared directory into its own template
@@ -684,10 +800,14 @@ class DCPEngine:
 
     def remove(self, path: PathLike) -> None:
         """Delete the checkpoint at ``path``; waits first if it is the save in flight."""
-        path = Path(path)
+        path = location(path)
         if self._worker.in_flight == str(path):
             self._worker.join()
-        if path.is_dir():
+        if isinstance(path, str):
+            fs = filesystem(path, self.storage_options)
+            if fs.exists(strip(fs, path)):
+                fs.rm(strip(fs, path), recursive=True)
+        elif path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()

@@ -4,13 +4,17 @@
         [--sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD] [--io-mode auto|sync|async]
         [--hf-mode auto|sync|async] [--method gather|dcp] [--kill-at-step N] [--epochs N]
         [--freq-steps N] [--hf-freq-steps N] [--timeout S] [--fault-rank R]
-        [--mixed] [--act-ckpt] [--cpu-offload]
+        [--mixed] [--act-ckpt] [--cpu-offload] [--strategy fsdp1|fsdp2|ddp|single]
+        [--fileroot URI] [--storage-options JSON]
 
 What a user writes: a ``LightningModule`` holding a tiny ``LlamaForCausalLM`` (built from a
 config) and a tokenizer, ``auto_wrap_policy={LlamaDecoderLayer}``, a shuffled ``DataLoader``
 with a validation loader, ``HFSaverCallback`` and ``RecoverCallback`` with their default
 modes (``auto``), and Lightning's own launcher for ``--devices`` ranks. The strategy is
-``tests/fsdp1_cpu.CPUFSDPStrategy`` (``FSDPStrategy`` given ``device_id=cpu``).
+``tests/fsdp1_cpu.CPUFSDPStrategy`` (``FSDPStrategy`` given ``device_id=cpu``); with
+``--strategy fsdp2`` Lightning's ``ModelParallelStrategy`` with ``fully_shard`` of every decoder
+layer and the model, ``ddp`` Lightning's DDP, ``single`` one process. ``--fileroot`` gives both
+callbacks another fileroot than ``--root`` (e.g. ``s3://bucket/prefix``).
 
 Appends one JSON line per optimizer step to ``FILE.rank{r}``: ``{"step", "loss" (hex), "pid"}``.
 ``--kill-at-step N`` SIGKILLs every rank at the end of step N (before that step's saves).
@@ -64,10 +68,20 @@ def build_model():
 
 
 class LM(pl.LightningModule):
-    def __init__(self, losses: str) -> None:
+    def __init__(self, losses: str, fsdp2: bool = False) -> None:
         super().__init__()
         self.model, self.tokenizer = build_model()
         self.losses_path = losses
+        self.fsdp2 = fsdp2
+
+    def configure_model(self):
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
@@ -171,6 +185,9 @@ def main() -> int:
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--dump-state", default=None, help="prefix of full model+optimizer dumps (see DumpState)")
     p.add_argument("--gpu", action="store_true", help="CUDA + NCCL with Lightning's own FSDPStrategy (tests/gpu)")
+    p.add_argument("--strategy", default="fsdp1", choices=["fsdp1", "fsdp2", "ddp", "single"])
+    p.add_argument("--fileroot", default=None, help="both callbacks' fileroot (default: --root)")
+    p.add_argument("--storage-options", default=None, help="JSON: both callbacks' storage_options")
     args = p.parse_args()
 
     rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0"))  # global (torchrun sets RANK)
@@ -184,11 +201,18 @@ def main() -> int:
     kwargs = {}
     if args.act_ckpt:
         kwargs["activation_checkpointing_policy"] = {LlamaDecoderLayer}
-    strategy_cls = pl.strategies.FSDPStrategy if args.gpu else CPUFSDPStrategy
-    strategy = strategy_cls(auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=args.sharding,
-                            cpu_offload=args.cpu_offload, **kwargs)
+    if args.strategy == "fsdp2":
+        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    elif args.strategy in ("ddp", "single"):
+        strategy = "ddp" if args.strategy == "ddp" else "auto"
+        args.devices = 1 if args.strategy == "single" else args.devices
+    else:
+        strategy_cls = pl.strategies.FSDPStrategy if args.gpu else CPUFSDPStrategy
+        strategy = strategy_cls(auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=args.sharding,
+                                cpu_offload=args.cpu_offload, **kwargs)
     timeout = {} if args.timeout is None else {"collective_timeout": args.timeout}
-    common = dict(fileroot=args.root, experiment_name="exp", trial_name="t", user="u")
+    common = dict(fileroot=args.fileroot or args.root, experiment_name="exp", trial_name="t", user="u",
+                  storage_options=json.loads(args.storage_options) if args.storage_options else None)
     hf = HFSaverCallback(**common, mode=args.hf_mode, freq_steps=args.hf_freq_steps, sharded_method=args.method,
                          **timeout)
     recover = RecoverCallback(**common, freq_steps=args.freq_steps, io_mode=args.io_mode, **timeout)
@@ -207,7 +231,7 @@ def main() -> int:
                          callbacks=callbacks, val_check_interval=5, limit_val_batches=2,
                          num_sanity_val_steps=0, deterministic=True if args.gpu else None)
     losses = f"{args.losses}.rank{trainer.global_rank}"
-    module = LM(losses)
+    module = LM(losses, fsdp2=args.strategy == "fsdp2")
     start = time.monotonic()
     try:
         trainer.fit(module, loader(1, 32, True), loader(2, 8, False))

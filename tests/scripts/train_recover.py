@@ -52,12 +52,12 @@ class Noisy(Dataset):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, losses: str, fsdp2: bool = False, step_sleep: float = 0.0) -> None:
+    def __init__(self, losses: str, fsdp2: bool = False, step_sleep: float = 0.0, hidden: int = 32) -> None:
         super().__init__()
         self.fsdp2 = fsdp2
         self.step_sleep = step_sleep
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                       torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                       torch.nn.Linear(hidden, 1))
         self.losses_path = losses
 
     def training_step(self, batch, batch_idx):
@@ -157,6 +157,9 @@ class LimitFileSize(pl.Callback):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
+    p.add_argument("--fileroot", default=None, help="the RecoverCallback's fileroot (default: --root; e.g. s3://...)")
+    p.add_argument("--storage-options", default=None, help="JSON: the RecoverCallback's storage_options")
+    p.add_argument("--hidden", type=int, default=32, help="width of the hidden layer")
     p.add_argument("--namespace", default="lightning.pytorch", choices=["lightning.pytorch", "pytorch_lightning"])
     p.add_argument("--losses", required=True)
     p.add_argument("--loader", default="plain", choices=["plain", "stateful"])
@@ -183,6 +186,9 @@ def main() -> None:
     args = p.parse_args()
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if rank == 1 and os.environ.get("RANK1_AWS_ACCESS_KEY_ID"):  # other credentials on rank 1 (object-store tests)
+        os.environ["AWS_ACCESS_KEY_ID"] = os.environ["RANK1_AWS_ACCESS_KEY_ID"]
+        os.environ["AWS_SECRET_ACCESS_KEY"] = os.environ["RANK1_AWS_SECRET_ACCESS_KEY"]
     pl.seed_everything(7 * rank if args.rank_seed else 0, workers=True, verbose=False)
     losses = f"{args.losses}.rank{rank}" if args.devices > 1 else args.losses
     if args.loader == "stateful":
@@ -190,9 +196,10 @@ def main() -> None:
     else:
         Loader = DataLoader
     loader = Loader(Noisy(), batch_size=4, shuffle=not args.no_shuffle, num_workers=args.workers)
-    recover = RecoverCallback(fileroot=args.root, experiment_name="exp", trial_name="t", user="u",
+    recover = RecoverCallback(fileroot=args.fileroot or args.root, experiment_name="exp", trial_name="t", user="u",
                               freq_steps=args.freq_steps, freq_epochs=args.freq_epochs, freq_secs=args.freq_secs,
-                              io_mode=args.io_mode)
+                              io_mode=args.io_mode,
+                              storage_options=json.loads(args.storage_options) if args.storage_options else None)
     callbacks = [recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
@@ -213,7 +220,7 @@ def main() -> None:
                          strategy=strategy,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks, log_every_n_steps=1)
-    trainer.fit(Net(losses, fsdp2=args.strategy == "fsdp2", step_sleep=args.step_sleep), loader)
+    trainer.fit(Net(losses, fsdp2=args.strategy == "fsdp2", step_sleep=args.step_sleep, hidden=args.hidden), loader)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""The recover checkpoint of a trial on an object store (``fileroot: s3://...``).
+
+The same contract as :class:`~areal_lightning.commit.recover_store.RecoverStore`, committed
+with the marker strategy of :mod:`areal_lightning.commit.generations` (object stores have
+no rename)::
+
+    {trial}/{name}/recover_checkpoint/{gen}/   # DCP files of save gen (every rank's shard)
+    {trial}/recover_info/{gen}/*.json          # its recover_info, written by rank 0
+    {trial}/recover_info/{gen}/COMMITTED.json  # written last: save gen exists from here on
+
+``gen`` is ``{global_step}-{random}``, never reused. A save writes its DCP files, then rank 0
+(after DCP returned, in the background for async saves) checks that DCP's ``.metadata`` is
+there, uploads the ``recover_info`` files and creates the marker (conditional create, never
+overwritten). The newest committed generation is the checkpoint; once the new marker is
+there the older generations are deleted (marker first), together with every uncommitted
+generation and the incomplete multipart uploads under the two prefixes. A SIGKILL or a
+failed upload at any instant leaves the previous committed generation the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable, Mapping
+
+from areal_lightning.commit.generations import Generations, check_written
+from areal_lightning.commit.manifest import check_files
+from areal_lightning.commit.recover_store import RecoverStore, check_info
+from areal_lightning.errors import CheckpointCorruptError, start_fresh
+from areal_lightning.layout import CHECKPOINT_INFO, INFO_FILES, TrialLayout
+from areal_lightning.objectstore import strip
+from areal_lightning.write.checksum import ALGORITHM, Written
+
+__all__ = ["ObjectRecoverStore", "ObjectRecoverCommit"]
+
+log = logging.getLogger(__name__)
+
+
+class ObjectRecoverStore:
+    """Paths, commit, cleanup and validation of a trial's recover checkpoint on an object store."""
+
+    remote = True
+
+    def __init__(self, layout: TrialLayout, name: str = "default",
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.layout = layout
+        self.storage_options = dict(storage_options or {})
+        self.ckpt_dir: str = layout.recover_checkpoint_dir(name)
+        self.info_dir: str = layout.recover_info_dir
+        self.data = Generations(self.ckpt_dir, self.storage_options)
+        self.infos = Generations(self.info_dir, self.storage_options)
+        self._current: str | None = None  # the generation read_info described
+
+    new_generation = staticmethod(RecoverStore.new_generation)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def target(self, gen: str, info: dict[str, dict[str, Any]],
+               on_committed: Callable[[Written], None] | None = None) -> "ObjectRecoverCommit":
+        """The commit target of save ``gen``: DCP writes into ``recover_checkpoint/{gen}/``."""
+        return ObjectRecoverCommit(self, gen, info, on_committed)
+
+    def clean_stale(self) -> None:
+        """Nothing before a save: what interrupted saves left is removed after each commit."""
+
+    def commit(self, gen: str, info: dict[str, dict[str, Any]], files: dict[str, dict[str, int]]) -> None:
+        """Publish save ``gen`` (rank 0, after DCP returned): its ``recover_info``, then its
+        marker, then the cleanup of everything else under the two prefixes."""
+        check_written(self.data, gen)
+        checkpoint_info = dict(info[CHECKPOINT_INFO])
+        checkpoint_info.update(generation=gen, checksum=ALGORITHM, files=files)
+        fs = self.infos.fs
+        for name in INFO_FILES:
+            content = checkpoint_info if name == CHECKPOINT_INFO else info[name]
+            fs.pipe_file(strip(fs, self.infos.uri(gen, name)),
+                         (json.dumps(content, indent=2, sort_keys=True) + "\n").encode())
+        self.infos.commit(gen, {"global_step": checkpoint_info.get("global_step")})
+        self.infos.clean({gen})
+        self.data.clean({gen})
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def repair(self) -> str | None:
+        """Nothing to repair: a generation is committed by one object or not at all."""
+        return None
+
+    def exists(self) -> bool:
+        """True when a committed generation exists (a recover checkpoint is expected)."""
+        return self.infos.newest() is not None
+
+    def read_info(self) -> dict[str, dict[str, Any]]:
+        """The ``recover_info`` of the newest committed generation, validated."""
+        newest = self.infos.newest()
+        if newest is None:
+            raise CheckpointCorruptError(f"{self.info_dir} holds no committed generation")
+        gen, marker = newest
+        fs = self.infos.fs
+        info: dict[str, dict[str, Any]] = {}
+        for name in INFO_FILES:
+            uri = self.infos.uri(gen, name)
+            try:
+                data = json.loads(fs.cat_file(strip(fs, uri)))
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{uri} is missing from the committed generation {gen}; "
+                                             f"{start_fresh(self.info_dir)}.") from None
+            except ValueError as exc:
+                raise CheckpointCorruptError(f"{uri} is not valid JSON ({exc}); {start_fresh(self.info_dir)}.") \
+                    from exc
+            if not isinstance(data, dict):
+                raise CheckpointCorruptError(f"{uri} holds {type(data).__name__}, expected a JSON object; "
+                                             f"{start_fresh(self.info_dir)}.")
+            info[name] = data
+        info[CHECKPOINT_INFO].setdefault("commit_time", marker.get("commit_time"))
+        self._current = gen
+        return check_info(info, self.infos.uri(gen))
+
+    def info_file(self, name: str) -> str:
+        """Where the ``recover_info`` file ``name`` of the checkpoint read last is."""
+        return self.infos.uri(self._current or "?", name)
+
+    def checkpoint_path(self) -> str:
+        """The DCP prefix of the checkpoint :meth:`read_info` described."""
+        if self._current is None:
+            self.read_info()
+        return self.data.uri(self._current)
+
+    def verify(self, checkpoint_info: dict[str, Any], data: bool | None = True) -> int:
+        """Check the checkpoint's objects against ``checkpoint_info`` (presence, sizes,
+        ``.metadata``'s CRC32C; with ``data=True`` every item's CRC32C); return bytes read."""
+        gen = checkpoint_info.get("generation") or self._current
+        hint = f"the recover checkpoint is damaged; restore the object or {start_fresh(self.info_dir)}"
+        return check_files(self.data.uri(gen), checkpoint_info["files"], self.infos.uri(gen, CHECKPOINT_INFO), hint,
+                           data=bool(data), storage_options=self.storage_options)
+
+
+class ObjectRecoverCommit:
+    """The :class:`~areal_lightning.commit.atomic.CommitTarget` of one recover save on an
+    object store: DCP writes into :attr:`tmp`; :meth:`finalize` is :meth:`ObjectRecoverStore.commit`."""
+
+    def __init__(self, store: ObjectRecoverStore, gen: str, info: dict[str, dict[str, Any]],
+                 on_committed: Callable[[Written], None] | None = None) -> None:
+        self.store, self.gen, self.info = store, gen, info
+        self.on_committed = on_committed
+        self.final = store.ckpt_dir
+        self.tmp = store.data.uri(gen)
+        self.check: Callable[[dict[str, Any]], None] | None = None
+        """Called with the checkpoint dict before anything is written (rank 0); raises to refuse it."""
+
+    def create(self) -> str:
+        """Nothing to create on an object store."""
+        return self.tmp
+
+    def finalize(self, written: Written | None = None) -> None:
+        """Write ``recover_info`` and the marker (rank 0, after the DCP save returned ``written``)."""
+        if written is None or written.files is None:
+            raise CheckpointCorruptError(f"{self.tmp}: the DCP save returned no manifest; the previous recover "
+                                         "checkpoint stays in place")
+        self.store.commit(self.gen, self.info, written.files)
+        if self.on_committed is not None:
+            self.on_committed(written)
+
+    def discard(self) -> None:
+        """Leave the files to the cleanup after the next commit."""

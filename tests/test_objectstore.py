@@ -1,0 +1,317 @@
+"""Object-store roots (``s3://``) against a real S3 API server (moto, on 127.0.0.1).
+
+In-process: ``DCPCheckpointIO`` generations and their marker, a flipped byte, an exception in
+the middle of a multipart upload, setup errors (missing bucket, wrong credentials). Real
+processes (``tests/scripts/train_recover.py``): SIGKILL mid-epoch and the same command again,
+on one process and two ranks (DDP, FSDP2), compared bit for bit with an uninterrupted local
+run; a SIGKILL in the middle of an upload; a PUT denied on rank 1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import s3_client, s3_objects, s3_uploads
+
+from areal_lightning import DCPCheckpointIO
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.layout import parse_export_name
+from areal_lightning.objectstore import StorageError
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_recover.py"
+REPO = Path(__file__).resolve().parents[1]
+SMALL_PARTS = {"default_block_size": 5 << 20}
+"""s3fs's smallest multipart part (S3's minimum): files above 5 MiB upload in several parts."""
+
+
+def _state(seed: int = 0, numel: int = 16) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"state_dict": {"w": torch.randn(numel, generator=g), "b": torch.randn(3, generator=g)},
+            "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(numel, generator=g)}},
+                                  "param_groups": [{"lr": 0.1, "params": [0]}]}],
+            "global_step": seed}
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    for key in ("w", "b"):
+        assert torch.equal(got["state_dict"][key], want["state_dict"][key])
+    assert torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"],
+                       want["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert got["global_step"] == want["global_step"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dcp_checkpoint_io_saves_generations_committed_by_a_marker(s3_server, s3_root, tmp_path, monkeypatch,
+                                                                   mode) -> None:
+    monkeypatch.chdir(tmp_path)
+    io = DCPCheckpointIO(mode)
+    path = f"{s3_root}/ckpt/last"
+    try:
+        io.save_checkpoint(_state(1), path)
+        io.wait()
+        first = s3_objects(s3_server, path)
+        io.save_checkpoint(_state(2), path)  # the same path again: a new generation replaces the first
+        io.wait()
+        _assert_equal(io.load_checkpoint(path), _state(2))
+        keys = s3_objects(s3_server, path)
+        gens = {k.split("/")[-2] for k in keys}
+        assert len(gens) == 1 and not set(first) & set(keys), "the replaced generation was not deleted"
+        assert sorted(k.rsplit("/", 1)[1] for k in keys) == [".metadata", "COMMITTED.json", "__0_0.distcp",
+                                                             "__0_1.distcp"]
+        io.remove_checkpoint(path)
+        assert s3_objects(s3_server, path) == []
+        with pytest.raises(FileNotFoundError, match="holds no committed generation"):
+            io.load_checkpoint(path)
+    finally:
+        io.teardown()
+    assert list(tmp_path.iterdir()) == [], "a local folder named like the URI was written"
+
+
+def test_a_generation_without_its_marker_does_not_exist(s3_server, s3_root) -> None:
+    io = DCPCheckpointIO("sync")
+    path = f"{s3_root}/ckpt"
+    io.save_checkpoint(_state(1), path)
+    io.save_checkpoint(_state(2), path)
+    marker = [k for k in s3_objects(s3_server, path) if k.endswith("COMMITTED.json")][0]
+    bucket = s3_root.split("/")[2]
+    s3_client(s3_server).delete_object(Bucket=bucket, Key=marker)  # as if the commit never happened
+    with pytest.raises(FileNotFoundError, match="no committed generation"):
+        io.load_checkpoint(path)
+    io.teardown()
+
+
+def test_a_flipped_byte_in_an_object_is_caught_naming_the_object_and_the_key(s3_server, s3_root) -> None:
+    io = DCPCheckpointIO("sync", thread_count=1)
+    path = f"{s3_root}/ckpt"
+    io.save_checkpoint(_state(3, numel=1024), path)
+    bucket = s3_root.split("/")[2]
+    client = s3_client(s3_server)
+    key = [k for k in s3_objects(s3_server, path) if k.endswith("__0_0.distcp")][0]
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=rf"s3://{bucket}/{key} fails its CRC32C check in '[^']+'"):
+        io.load_checkpoint(path)
+    io.teardown()
+
+
+def test_an_exception_in_the_middle_of_an_upload_keeps_the_previous_checkpoint(s3_server, s3_root,
+                                                                               monkeypatch) -> None:
+    """A save that fails while a multipart upload is under way leaves no object and no
+    incomplete upload (the upload is aborted, not completed with a truncated buffer), and the
+    previous generation stays the checkpoint; the next commit removes the failed generation."""
+    io = DCPCheckpointIO("sync", thread_count=1, storage_options=SMALL_PARTS)
+    path = f"{s3_root}/ckpt"
+    big = 3 << 20  # 12 MiB of fp32 weights: three parts
+    io.save_checkpoint(_state(1, numel=big), path)
+    before = s3_objects(s3_server, path)
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", "objectstore.mid_upload:raise")
+    with pytest.raises(CheckpointWriteError, match="InjectedFault"):
+        io.save_checkpoint(_state(2, numel=big), path)
+    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
+    assert s3_uploads(s3_server, path) == []
+    assert not [k for k in s3_objects(s3_server, path) if k not in before and k.endswith(".distcp")]
+    _assert_equal(io.load_checkpoint(path), _state(1, numel=big))
+    io.save_checkpoint(_state(4, numel=big), path)
+    _assert_equal(io.load_checkpoint(path), _state(4, numel=big))
+    assert len({k.split("/")[-2] for k in s3_objects(s3_server, path)}) == 1
+    io.teardown()
+
+
+# -- setup errors ---------------------------------------------------------------------------
+
+
+def _fit_on(fileroot: str, tmp_path: Path, **kwargs) -> None:
+    import lightning.pytorch as pl
+    from conftest import LMModule, tiny_llama, token_loader
+
+    from areal_lightning import RecoverCallback
+
+    recover = RecoverCallback(fileroot=fileroot, experiment_name="e", trial_name="t", user="u", freq_steps=2,
+                              **kwargs)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recover],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(LMModule(tiny_llama()), token_loader())
+
+
+def test_a_missing_bucket_is_a_clear_error_before_training(s3_server, tmp_path) -> None:
+    with pytest.raises(StorageError, match=r"rank 0: the setup check's write \(PUT\) of s3://no-such-bucket-x/.* "
+                                           r"failed: the bucket 'no-such-bucket-x' does not exist \(areal-lightning "
+                                           r"never creates buckets"):
+        _fit_on("s3://no-such-bucket-x/root", tmp_path)
+    assert "CreateBucket" not in str(s3_client(s3_server).list_buckets())  # nothing was created
+    assert "no-such-bucket-x" not in [b["Name"] for b in s3_client(s3_server).list_buckets()["Buckets"]]
+
+
+def test_wrong_credentials_are_a_clear_error_naming_the_bucket_and_no_secret(s3_auth_server, tmp_path) -> None:
+    secret = "wrong-secret-value-1234"
+    options = {"key": "AKIAWRONGKEY", "secret": secret, "endpoint_url": s3_auth_server["endpoint"]}
+    with pytest.raises(StorageError) as raised:
+        _fit_on(f"s3://{s3_auth_server['bucket']}/root", tmp_path, storage_options=options)
+    text = str(raised.value)
+    assert f"access to the bucket '{s3_auth_server['bucket']}' was denied" in text
+    assert "write (PUT)" in text and secret not in text
+
+
+# -- real processes ---------------------------------------------------------------------------
+
+
+def _train(root: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--losses", str(root / "losses.jsonl"),
+                           *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+def _losses(root: Path, ranks: int) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for r in range(ranks):
+        path = root / ("losses.jsonl" if ranks == 1 else f"losses.jsonl.rank{r}")
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(row["step"] * 10 + r, set()).add(row["loss"])
+    return out
+
+
+LM_SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp1.py"
+LM_CASES = {
+    # name: (ranks, args). A tiny Llama fine-tuned with validation every 5 steps, HFSaverCallback
+    # (export every 4 steps) + RecoverCallback (every 3 steps) in their default modes (auto: async
+    # on both), Lightning's launcher; killed at the end of step 7 (step 6's async save waited for
+    # step 3's: at least that one is committed).
+    "1-process": (1, ("--strategy", "single", "--epochs", "1")),
+    "ddp-2": (2, ("--strategy", "ddp")),
+    "fsdp1-2": (2, ("--strategy", "fsdp1")),
+    "fsdp2-2": (2, ("--strategy", "fsdp2")),
+}
+
+
+def _train_lm(root: Path, *args: str) -> subprocess.CompletedProcess:
+    root.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, str(LM_SCRIPT), "--root", str(root), "--losses", str(root / "losses"),
+                           *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ))
+
+
+def _ok(proc: subprocess.CompletedProcess, root: Path) -> None:
+    errors = "".join(p.read_text()[:3000] for p in root.glob("error.rank*.txt"))
+    assert proc.returncode == 0, errors or proc.stderr[-4000:]
+
+
+def _lm_losses(root: Path, ranks: int) -> dict[tuple[int, int], set[str]]:
+    out: dict[tuple[int, int], set[str]] = {}
+    for r in range(ranks):
+        for line in (root / f"losses.rank{r}").read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault((r, row["step"]), set()).add(row["loss"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LM_CASES))
+def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_the_bucket(
+        s3_server, s3_root, tmp_path, case) -> None:
+    """1 process, DDP, FSDP1, FSDP2 with fileroot=s3://: every rank's loss of every step equals
+    the uninterrupted local run's; every committed HF export downloads, loads with
+    ``from_pretrained`` / ``AutoTokenizer`` and equals the local run's export of that step
+    byte for byte; ``inspect`` reports the trial valid; one recover generation is left, no
+    incomplete upload, no local folder named like the URI."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_lightning import download_export
+    from areal_lightning.tools.inspect import inspect_path
+
+    ranks, args = LM_CASES[case]
+    reference = tmp_path / "reference"
+    _ok(_train_lm(reference, *args), reference)
+    run = tmp_path / "run"
+    assert _train_lm(run, "--fileroot", s3_root, "--kill-at-step", "7", *args).returncode != 0
+    resumed = _train_lm(run, "--fileroot", s3_root, *args)
+    _ok(resumed, run)
+    trial = f"{s3_root}/checkpoints/u/exp/t"
+    assert f"RecoverCallback: resumed from {trial}/default/recover_checkpoint/" in resumed.stderr
+    assert _lm_losses(run, ranks) == _lm_losses(reference, ranks)
+
+    local = sorted((reference / "checkpoints/u/exp/t/default").glob("epoch*"), key=lambda p: parse_export_name(p.name))
+    assert local
+    report, = inspect_path(trial)
+    assert report["valid"], report["errors"]
+    assert [e["name"] for e in report["exports"]] == [p.name for p in local]
+    assert report["recover"]["checkpoints"][0]["world_size"] == ranks
+    for folder in local:
+        got = download_export(f"{trial}/default/{folder.name}", tmp_path / "download" / folder.name)
+        assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in folder.iterdir())
+        for file in folder.iterdir():
+            assert (got / file.name).read_bytes() == file.read_bytes(), (folder.name, file.name)
+    newest = download_export(f"{trial}/default", tmp_path / "newest")  # a model folder: its newest export
+    assert (newest / "model.safetensors").read_bytes() == (local[-1] / "model.safetensors").read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(newest)
+    assert AutoTokenizer.from_pretrained(newest)("1+2=3")["input_ids"]
+    assert model.config.num_hidden_layers == 2
+    keys = s3_objects(s3_server, f"{trial}/recover_info") + s3_objects(s3_server, f"{trial}/default/recover_checkpoint")
+    assert len({k.split("/")[-2] for k in keys}) == 1, keys
+    assert s3_uploads(s3_server, trial) == []
+    assert not any(p.name.startswith("s3:") for p in [*REPO.iterdir(), *run.iterdir()])
+
+
+@pytest.mark.slow
+def test_sigkill_in_the_middle_of_an_upload_resumes_from_the_previous_generation(s3_server, s3_root,
+                                                                                  tmp_path) -> None:
+    """The run is SIGKILLed while a data file of the step-10 save is a multipart upload in
+    progress: the rerun resumes from step 5's committed generation, bit for bit, and after its
+    next commit neither the killed generation nor its incomplete upload is left."""
+    args = ("--hidden", "200000", "--freq-steps", "5", "--epochs", "2",
+            "--storage-options", json.dumps(SMALL_PARTS))  # ~9 MB of weights, 24 MB per save: two files of three parts
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert _train(reference, *args).returncode == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    trial = f"{s3_root}/checkpoints/u/exp/t"
+    killed = _train(run, "--fileroot", s3_root, *args, env={"AREAL_LIGHTNING_FAULT": "objectstore.mid_upload:kill@3"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert s3_uploads(s3_server, trial), "the kill did not leave an incomplete multipart upload"
+    resumed = _train(run, "--fileroot", s3_root, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "after global step 4 (epoch 0, step 4 in epoch)" in resumed.stderr
+    assert _losses(run, 1) == _losses(reference, 1)
+    assert s3_uploads(s3_server, trial) == []
+    assert len({k.split("/")[-2] for k in s3_objects(s3_server, trial)}) == 1
+
+
+@pytest.mark.slow
+def test_a_put_denied_on_rank_1_only_is_an_error_on_every_rank(s3_auth_server, tmp_path) -> None:
+    endpoint, bucket = s3_auth_server["endpoint"], s3_auth_server["bucket"]
+    admin, no_put = s3_auth_server["admin"], s3_auth_server["no_put"]
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": admin["aws_access_key_id"],
+           "AWS_SECRET_ACCESS_KEY": admin["aws_secret_access_key"],
+           "RANK1_AWS_ACCESS_KEY_ID": no_put["aws_access_key_id"],
+           "RANK1_AWS_SECRET_ACCESS_KEY": no_put["aws_secret_access_key"]}
+    proc = _train(tmp_path, "--fileroot", f"s3://{bucket}/denied", "--devices", "2", env=env, timeout=240)
+    assert proc.returncode != 0
+    assert "RecoverCallback setup (object-store check) failed on rank 1" in proc.stderr
+    assert f"access to the bucket '{bucket}' was denied" in proc.stderr
+    assert not (tmp_path / "losses.jsonl.rank0").exists(), "training started"
+    assert no_put["aws_secret_access_key"] not in proc.stderr and admin["aws_secret_access_key"] not in proc.stderr
+
+
+def test_the_private_torch_fsspec_file_system_still_offers_what_the_object_store_writer_uses() -> None:
+    """``write/dcp.py`` subclasses torch's private ``_fsspec_filesystem.FileSystem`` (what
+    ``FsspecWriter``/``FsspecReader`` use) and sets a DCP writer's/reader's ``fs`` and ``path``
+    as those classes do: a torch upgrade that changes either breaks this test first."""
+    import inspect
+
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+
+    for method in ("create_stream", "concat_path", "init_path", "rename", "mkdir", "exists", "rm_file", "ls"):
+        assert callable(getattr(FileSystem, method, None)), method
+    assert issubclass(FsspecWriter, FileSystemWriter) and issubclass(FsspecReader, FileSystemReader)
+    for cls in (FsspecWriter, FsspecReader):
+        source = inspect.getsource(cls.__init__)
+        assert "self.fs = FileSystem()" in source and "self.path = self.fs.init_path(path" in source
