@@ -143,6 +143,11 @@ def filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> An
         raise ConfigError("fileroot", f"{uri!r} needs the {package} package: pip install 'areal-lightning[{extra}]'") \
             from None
     options = dict(storage_options or {})
+    if package == "s3fs":  # transient errors (throttling, 5xx, connection resets): botocore's
+        # standard retry mode, exponential backoff with jitter, unless the caller chose otherwise
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"mode": "standard", "max_attempts": 10})
+        options["config_kwargs"] = config
     key = (scheme, json.dumps(options, sort_keys=True, default=repr))
     with _FS_LOCK:
         fs = _FS.get(key)

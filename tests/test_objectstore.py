@@ -160,6 +160,55 @@ def test_wrong_credentials_are_a_clear_error_naming_the_bucket_and_no_secret(s3_
     assert "write (PUT)" in text and secret not in text
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_hf_exports_on_s3_keep_the_newest_and_an_interrupted_one_never_counts(s3_server, s3_root, tmp_path,
+                                                                               monkeypatch, tokenizer, mode) -> None:
+    """Exports every 2 steps with ``max_keep=2``: the two newest are committed (marker last) and
+    load after download; an export whose upload fails before its marker is invisible to
+    ``download_export``, ``inspect`` and ``max_keep``, and is removed by the next export."""
+    from conftest import LMModule, make_trainer, tiny_llama, token_loader
+    from transformers import AutoModelForCausalLM
+
+    from areal_lightning import HFSaverCallback, download_export
+    from areal_lightning._fault import reset_fault_counts
+    from areal_lightning.tools.inspect import inspect_path
+
+    def saver() -> HFSaverCallback:
+        return HFSaverCallback(fileroot=s3_root, experiment_name="e", trial_name="t", user="u", mode=mode,
+                               freq_steps=2, max_keep=2, staging_dir=tmp_path / "staging")
+
+    module = LMModule(tiny_llama(), tokenizer)
+    make_trainer([saver()], max_steps=6).fit(module, token_loader())
+    model_dir = f"{s3_root}/checkpoints/u/e/t/default"
+    names = sorted({k.split("/")[-2] for k in s3_objects(s3_server, model_dir)})
+    assert names == ["epoch0epochstep3globalstep3", "epoch0epochstep5globalstep5"]
+    live = {k: v.clone() for k, v in module.model.state_dict().items()}
+    loaded = AutoModelForCausalLM.from_pretrained(download_export(model_dir, tmp_path / "newest"))
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in live.items())
+    assert not any((tmp_path / "staging").iterdir())  # staged folders are removed once uploaded
+
+    # a new run exports steps 2, 4, 6, 8: the fourth (global step 7, a new folder) fails after its
+    # files were uploaded, before its marker
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", "objectstore.before_marker:raise@4")
+    reset_fault_counts()
+    with pytest.raises(Exception, match="InjectedFault|objectstore.before_marker"):
+        make_trainer([saver()], max_steps=8).fit(LMModule(tiny_llama(), tokenizer), token_loader())
+    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
+    failed = f"{model_dir}/epoch0epochstep7globalstep7"
+    assert any(k.endswith("config.json") for k in s3_objects(s3_server, failed)), "its files were uploaded"
+    with pytest.raises(FileNotFoundError, match="not a committed HF export"):
+        download_export(failed, tmp_path / "failed")
+    report, = inspect_path(f"{s3_root}/checkpoints/u/e/t")
+    assert failed in [item["path"] for item in report["leftovers"]]
+    assert [e["name"] for e in report["exports"]] == ["epoch0epochstep3globalstep3", "epoch0epochstep5globalstep5"]
+    assert report["valid"], report["errors"]
+    make_trainer([saver()], max_steps=2).fit(LMModule(tiny_llama(), tokenizer), token_loader())  # one more export
+    assert s3_objects(s3_server, failed) == [], "the uncommitted export was not removed after the next commit"
+    names = sorted({k.split("/")[-2] for k in s3_objects(s3_server, model_dir)})
+    assert names == ["epoch0epochstep3globalstep3", "epoch0epochstep5globalstep5"]  # max_keep=2 by global step
+    assert s3_uploads(s3_server, model_dir) == []
+
+
 # -- real processes ---------------------------------------------------------------------------
 
 
@@ -169,13 +218,11 @@ def _train(root: Path, *args: str, env: dict | None = None, timeout: float = 300
                           env={**os.environ, **(env or {})})
 
 
-def _losses(root: Path, ranks: int) -> dict[int, set[str]]:
+def _losses(root: Path) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
-    for r in range(ranks):
-        path = root / ("losses.jsonl" if ranks == 1 else f"losses.jsonl.rank{r}")
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            out.setdefault(row["step"] * 10 + r, set()).add(row["loss"])
+    for line in (root / "losses.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], set()).add(row["loss"])
     return out
 
 
@@ -260,11 +307,13 @@ def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_t
 
 
 @pytest.mark.slow
-def test_sigkill_in_the_middle_of_an_upload_resumes_from_the_previous_generation(s3_server, s3_root,
-                                                                                  tmp_path) -> None:
-    """The run is SIGKILLed while a data file of the step-10 save is a multipart upload in
-    progress: the rerun resumes from step 5's committed generation, bit for bit, and after its
-    next commit neither the killed generation nor its incomplete upload is left."""
+@pytest.mark.parametrize("action", ["kill", "raise"])
+def test_a_sigkill_or_an_error_in_the_middle_of_an_upload_resumes_from_the_previous_generation(
+        s3_server, s3_root, tmp_path, action) -> None:
+    """The run is SIGKILLed (or the upload fails) while a data file of the step-10 save is a
+    multipart upload in progress: the rerun resumes from step 5's committed generation, bit
+    for bit, and after its next commit neither the failed generation nor an incomplete upload
+    is left."""
     args = ("--hidden", "200000", "--freq-steps", "5", "--epochs", "2",
             "--storage-options", json.dumps(SMALL_PARTS))  # ~9 MB of weights, 24 MB per save: two files of three parts
     reference = tmp_path / "reference"
@@ -273,13 +322,18 @@ def test_sigkill_in_the_middle_of_an_upload_resumes_from_the_previous_generation
     run = tmp_path / "run"
     run.mkdir()
     trial = f"{s3_root}/checkpoints/u/exp/t"
-    killed = _train(run, "--fileroot", s3_root, *args, env={"AREAL_LIGHTNING_FAULT": "objectstore.mid_upload:kill@3"})
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert s3_uploads(s3_server, trial), "the kill did not leave an incomplete multipart upload"
+    failed = _train(run, "--fileroot", s3_root, *args, env={"AREAL_LIGHTNING_FAULT": f"objectstore.mid_upload:{action}@3"})
+    if action == "kill":
+        assert failed.returncode == -9, failed.stderr[-3000:]
+        assert s3_uploads(s3_server, trial), "the kill did not leave an incomplete multipart upload"
+    else:
+        assert failed.returncode != 0 and "CheckpointWriteError" in failed.stderr, failed.stderr[-3000:]
+        assert "InjectedFault" in failed.stderr  # the upload's own error, not torch.save's "unexpected pos"
+        assert s3_uploads(s3_server, trial) == []  # the failed write aborted its upload
     resumed = _train(run, "--fileroot", s3_root, *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "after global step 4 (epoch 0, step 4 in epoch)" in resumed.stderr
-    assert _losses(run, 1) == _losses(reference, 1)
+    assert _losses(run) == _losses(reference)
     assert s3_uploads(s3_server, trial) == []
     assert len({k.split("/")[-2] for k in s3_objects(s3_server, trial)}) == 1
 
