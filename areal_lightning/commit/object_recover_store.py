@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 from areal_lightning.commit.generations import Generations, check_written
 from areal_lightning.commit.manifest import check_files
-from areal_lightning.commit.recover_store import RecoverStore, check_info
+from areal_lightning.commit.recover_store import RecoverCommit, RecoverStore, check_info
 from areal_lightning.errors import CheckpointCorruptError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO, INFO_FILES, TrialLayout
 from areal_lightning.objectstore import strip
@@ -53,12 +53,16 @@ class ObjectRecoverStore:
 
     new_generation = staticmethod(RecoverStore.new_generation)
 
+    def tmp_ckpt_dir(self, gen: str) -> str:
+        """Where the DCP files of save ``gen`` are written (its generation's prefix)."""
+        return self.data.uri(gen)
+
     # -- writing ---------------------------------------------------------------------------
 
     def target(self, gen: str, info: dict[str, dict[str, Any]],
                on_committed: Callable[[Written], None] | None = None) -> "ObjectRecoverCommit":
         """The commit target of save ``gen``: DCP writes into ``recover_checkpoint/{gen}/``."""
-        return ObjectRecoverCommit(self, gen, info, on_committed)
+        return ObjectRecoverCommit(self, gen, info, on_committed)  # type: ignore[arg-type]
 
     def clean_stale(self) -> None:
         """Nothing before a save: what interrupted saves left is removed after each commit."""
@@ -133,31 +137,11 @@ class ObjectRecoverStore:
                            data=bool(data), storage_options=self.storage_options)
 
 
-class ObjectRecoverCommit:
+class ObjectRecoverCommit(RecoverCommit):
     """The :class:`~areal_lightning.commit.atomic.CommitTarget` of one recover save on an
-    object store: DCP writes into :attr:`tmp`; :meth:`finalize` is :meth:`ObjectRecoverStore.commit`."""
+    object store: DCP writes into :attr:`tmp` (``recover_checkpoint/{gen}/``); :meth:`finalize`
+    is :meth:`ObjectRecoverStore.commit` (``recover_info``, then the marker)."""
 
-    def __init__(self, store: ObjectRecoverStore, gen: str, info: dict[str, dict[str, Any]],
-                 on_committed: Callable[[Written], None] | None = None) -> None:
-        self.store, self.gen, self.info = store, gen, info
-        self.on_committed = on_committed
-        self.final = store.ckpt_dir
-        self.tmp = store.data.uri(gen)
-        self.check: Callable[[dict[str, Any]], None] | None = None
-        """Called with the checkpoint dict before anything is written (rank 0); raises to refuse it."""
-
-    def create(self) -> str:
+    def create(self) -> str:  # type: ignore[override]
         """Nothing to create on an object store."""
         return self.tmp
-
-    def finalize(self, written: Written | None = None) -> None:
-        """Write ``recover_info`` and the marker (rank 0, after the DCP save returned ``written``)."""
-        if written is None or written.files is None:
-            raise CheckpointCorruptError(f"{self.tmp}: the DCP save returned no manifest; the previous recover "
-                                         "checkpoint stays in place")
-        self.store.commit(self.gen, self.info, written.files)
-        if self.on_committed is not None:
-            self.on_committed(written)
-
-    def discard(self) -> None:
-        """Leave the files to the cleanup after the next commit."""

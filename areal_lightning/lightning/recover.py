@@ -373,8 +373,9 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         if self._session is not None:
             self._session.wait()
 
-    def last_checkpoint(self) -> Path | None:
-        """The committed recover checkpoint of this trial (validated, read-only), or ``None``."""
+    def last_checkpoint(self) -> Path | str | None:
+        """The committed recover checkpoint of this trial (validated, read-only), or ``None``
+        (a ``str`` URI on an object store)."""
         if not self.store.exists():
             return None
         info = self.store.read_info()
