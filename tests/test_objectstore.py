@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,7 +163,8 @@ def test_wrong_credentials_are_a_clear_error_naming_the_bucket_and_no_secret(s3_
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_hf_exports_on_s3_keep_the_newest_and_an_interrupted_one_never_counts(s3_server, s3_root, tmp_path,
-                                                                               monkeypatch, tokenizer, mode) -> None:
+                                                                               monkeypatch, capsys, tokenizer,
+                                                                               mode) -> None:
     """Exports every 2 steps with ``max_keep=2``: the two newest are committed (marker last) and
     load after download; an export whose upload fails before its marker is invisible to
     ``download_export``, ``inspect`` and ``max_keep``, and is removed by the next export."""
@@ -207,6 +209,15 @@ def test_hf_exports_on_s3_keep_the_newest_and_an_interrupted_one_never_counts(s3
     names = sorted({k.split("/")[-2] for k in s3_objects(s3_server, model_dir)})
     assert names == ["epoch0epochstep3globalstep3", "epoch0epochstep5globalstep5"]  # max_keep=2 by global step
     assert s3_uploads(s3_server, model_dir) == []
+    # the command line: inspect (a fileroot URI) and download
+    from areal_lightning.tools.cli import main
+
+    assert main(["inspect", s3_root, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["path"] == s3_root and [t["trial_name"] for t in doc["trials"]] == ["t"]
+    assert main(["download", f"{model_dir}/epoch0epochstep5globalstep5", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "model.safetensors").is_file() and (tmp_path / "cli" / "config.json").is_file()
+    assert main(["download", failed, str(tmp_path / "none")]) == 2
 
 
 # -- real processes ---------------------------------------------------------------------------
@@ -336,6 +347,27 @@ def test_a_sigkill_or_an_error_in_the_middle_of_an_upload_resumes_from_the_previ
     assert _losses(run) == _losses(reference)
     assert s3_uploads(s3_server, trial) == []
     assert len({k.split("/")[-2] for k in s3_objects(s3_server, trial)}) == 1
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_rank_1s_object_is_caught_by_the_ranks_reading_it(s3_server, s3_root, tmp_path) -> None:
+    """2-rank DDP: one byte of rank 1's data file flipped in the bucket; the rerun's resume
+    fails on every rank, naming the object and the tensor key (no rank starts training)."""
+    args = ("--devices", "2", "--io-mode", "sync", "--freq-steps", "5", "--fileroot", s3_root)
+    first = _train(tmp_path, *args, "--epochs", "1")  # 6 steps on each rank: one recover checkpoint, step 5
+    assert first.returncode == 0, first.stderr[-3000:]
+    trial = f"{s3_root}/checkpoints/u/exp/t"
+    (key,) = [k for k in s3_objects(s3_server, trial) if k.endswith("/__1_0.distcp")]
+    bucket = s3_root.split("/")[2]
+    client = s3_client(s3_server)
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    (tmp_path / "losses.jsonl.rank0").unlink()
+    rerun = _train(tmp_path, *args, "--epochs", "2", timeout=240)
+    assert rerun.returncode != 0
+    assert re.search(rf"s3://{bucket}/{key} fails its CRC32C check in '[^']+'", rerun.stderr), rerun.stderr[-3000:]
+    assert not (tmp_path / "losses.jsonl.rank0").exists(), "training started from a corrupt checkpoint"
 
 
 @pytest.mark.slow
