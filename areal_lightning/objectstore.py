@@ -30,7 +30,7 @@ from typing import Any
 from areal_lightning.errors import ConfigError, StorageError
 
 __all__ = ["SCHEMES", "StorageError", "is_uri", "uri_scheme", "is_remote", "check_path", "filesystem", "join",
-           "redact", "probe", "describe_error", "write_exclusive", "abort_uploads", "list_uploads"]
+           "redact", "probe", "describe_error", "write_exclusive", "abort_uploads", "list_uploads", "retries"]
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,37 @@ def filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> An
             from fsspec.core import url_to_fs
 
             fs, _ = url_to_fs(uri, **options)
+            if package == "s3fs":
+                _count_retries(fs)
             _FS[key] = fs
     return fs
+
+
+_RETRIED = [0]
+"""Requests of this process that the object store's client retried (throttling, 5xx, resets)."""
+
+
+def retries() -> int:
+    """How many requests to object stores this process had to retry so far (S3: botocore's
+    ``RetryAttempts`` of every response; telemetry's ``checkpoint/*/retries``)."""
+    return _RETRIED[0]
+
+
+def _count_retries(fs: Any) -> None:
+    """Count the retries of every S3 call made through ``fs`` (botocore's ``after-call`` event)."""
+
+    def after_call(parsed: Any = None, **_: Any) -> None:
+        attempts = (parsed or {}).get("ResponseMetadata", {}).get("RetryAttempts") or 0
+        if attempts:
+            with _FS_LOCK:
+                _RETRIED[0] += attempts
+            log.info("object store: a request succeeded after %d retries (transient errors)", attempts)
+
+    try:
+        fs.connect()  # the client exists from here on; its events carry the retry counts
+        fs.s3.meta.events.register("after-call.s3", after_call)
+    except Exception as exc:  # noqa: BLE001 - counting is telemetry; the setup probe reports real failures
+        log.debug("object store: retries will not be counted (%r)", exc)
 
 
 def strip(fs: Any, uri: str) -> str:

@@ -8,6 +8,8 @@ Metrics (``kind`` is ``hf`` or ``recover``):
 - ``checkpoint/{kind}/bytes`` and ``checkpoint/{kind}/gbps`` (bytes / write_s);
 - recover saves also: ``checkpoint/recover/rank_bytes`` (what global rank 0 wrote itself) and
   ``checkpoint/recover/hash_s`` (seconds its writer threads spent on checksums);
+- on an object store also ``checkpoint/{kind}/retries``: the requests the reporting process
+  had to retry so far (transient errors: throttling, 5xx, connection resets);
 - ``checkpoint/recover/age_s``: seconds since the last durable recover checkpoint (logged
   with the training metrics, at Lightning's ``log_every_n_steps``).
 
@@ -47,6 +49,8 @@ class SaveReport:
     """Bytes the reporting rank wrote itself (recover saves)."""
     hash_s: float | None = None
     """Seconds the reporting rank's writer threads spent hashing (recover saves)."""
+    retries: int | None = None
+    """Object-store requests the reporting process retried so far (throttling, 5xx, resets)."""
 
     @property
     def gbps(self) -> float:
@@ -62,6 +66,8 @@ class SaveReport:
             metrics[p + "rank_bytes"] = float(self.rank_bytes)
         if self.hash_s is not None:
             metrics[p + "hash_s"] = self.hash_s
+        if self.retries is not None:
+            metrics[p + "retries"] = float(self.retries)
         return metrics
 
 

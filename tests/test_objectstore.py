@@ -220,6 +220,40 @@ def test_hf_exports_on_s3_keep_the_newest_and_an_interrupted_one_never_counts(s3
     assert main(["download", failed, str(tmp_path / "none")]) == 2
 
 
+def test_throttled_requests_are_retried_and_counted_in_telemetry(flaky_s3, s3_root, tmp_path, tokenizer) -> None:
+    """The S3 endpoint answers ``503 SlowDown`` to PUTs of the commit marker and of a data file
+    (a proxy in front of the server): the saves retry with backoff and commit, the resume
+    continues from them, and ``checkpoint/recover/retries`` counts the retried requests."""
+    import csv
+
+    import lightning.pytorch as pl
+    from conftest import LMModule, make_trainer, tiny_llama, token_loader
+
+    from areal_lightning import RecoverCallback
+    from areal_lightning.objectstore import retries
+
+    options = {"endpoint_url": flaky_s3.url}
+    flaky_s3.when = lambda method, path: method == "PUT" and ("COMMITTED.json" in path or "__0_0.distcp" in path)
+    flaky_s3.fail = 3
+    before = retries()
+
+    def run(steps: int) -> LMModule:
+        recover = RecoverCallback(fileroot=s3_root, experiment_name="e", trial_name="t", user="u", freq_steps=2,
+                                  io_mode="sync", storage_options=options)
+        logger = pl.loggers.CSVLogger(str(tmp_path / "logs"), name="run", version=0)
+        module = LMModule(tiny_llama(), tokenizer)
+        make_trainer([recover], max_steps=steps, logger=logger, log_every_n_steps=1).fit(module, token_loader())
+        return module
+
+    run(4)
+    assert flaky_s3.failed == 3 and retries() - before >= 3
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "run" / "version_0" / "metrics.csv")))
+    logged = [float(r["checkpoint/recover/retries"]) for r in rows if r.get("checkpoint/recover/retries")]
+    assert logged and max(logged) >= 3
+    resumed = run(6)  # continues after step 4 from the committed generation
+    assert len(resumed.losses) == 2
+
+
 # -- real processes ---------------------------------------------------------------------------
 
 

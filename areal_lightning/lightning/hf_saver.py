@@ -32,7 +32,7 @@ from areal_lightning.config import (
 )
 from areal_lightning.hf_export import HFExporter, validate_method, validate_peft_export
 from areal_lightning.layout import TrialLayout
-from areal_lightning.objectstore import is_remote, is_uri, probe
+from areal_lightning.objectstore import is_remote, is_uri, probe, retries
 from areal_lightning.lightning._internals import callback_state_key
 from areal_lightning.namespaces import bases
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
@@ -364,7 +364,8 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         total = time.perf_counter() - start
         remote = self.layout.remote
         size = folder_bytes_remote(str(final), self.storage_options) if remote else folder_bytes(final)
-        self.telemetry.record(SaveReport("hf", step, str(final), total if blocked is None else blocked, total, size))
+        self.telemetry.record(SaveReport("hf", step, str(final), total if blocked is None else blocked, total, size,
+                                         retries=retries() if remote else None))
         if remote:
             keep_newest_remote(str(self.model_dir), self.config.max_keep, self.storage_options)
             clean_uncommitted_exports(str(self.model_dir), self.storage_options)

@@ -60,7 +60,7 @@ from areal_lightning.lightning.recover_state import (
     describe,
     step_info,
 )
-from areal_lightning.objectstore import is_remote, probe
+from areal_lightning.objectstore import is_remote, probe, retries
 from areal_lightning.lightning.resume import (
     ResumePlan,
     agreed_plan,
@@ -391,7 +391,8 @@ class RecoverSession:
             written = done["written"]
             self.telemetry.record(SaveReport(
                 "recover", steps, str(self.store.ckpt_dir), held["call"] + held.get("staging_wait", 0.0),
-                done["durable_s"], sum(f["size"] for f in written.files.values()), written.nbytes, written.hash_s))
+                done["durable_s"], sum(f["size"] for f in written.files.values()), written.nbytes, written.hash_s,
+                retries() if self.store.remote else None))
 
         def committed(written: Any) -> None:  # rank 0, after the publish (in the background when async)
             self.last_durable = time.time()
