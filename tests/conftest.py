@@ -111,17 +111,41 @@ def tokenizer() -> Any:
 _S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def _moto_process(log_path: Any, env: dict | None = None) -> tuple[Any, str]:
+    """moto's S3 server in a child process on 127.0.0.1 (a free port): ``(process, endpoint)``,
+    once it accepts connections. A process of its own, so a busy test process never slows
+    its replies (an in-process server thread shares the test's GIL)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-c", "from moto.server import main; import sys; main(sys.argv[1:])",
+                             "-H", "127.0.0.1", "-p", str(port)], env={**os.environ, **(env or {})},
+                            stdout=log, stderr=log)
+    log.close()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"moto's server did not start: see {log_path}") from None
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
-def s3_server() -> Any:
+def s3_server(tmp_path_factory) -> Any:
     """moto's S3 server on 127.0.0.1 (a free port), with the ``AWS_*`` environment pointing at
     it for this process and the subprocesses it starts; yields the endpoint URL."""
     pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
+    proc, url = _moto_process(tmp_path_factory.mktemp("moto") / "server.log")
     saved = {k: os.environ.get(k) for k in (*_S3_ENV, "AWS_ENDPOINT_URL")}
     os.environ.update(_S3_ENV, AWS_ENDPOINT_URL=url)
     try:
@@ -132,7 +156,8 @@ def s3_server() -> Any:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        server.stop()
+        proc.kill()
+        proc.wait()
 
 
 def s3_client(endpoint: str, **credentials: str) -> Any:
@@ -176,28 +201,13 @@ def s3_auth_server(tmp_path_factory) -> Any:
     do anything, ``no_put`` may list, read and delete but not write."""
     pytest.importorskip("s3fs")
     import json
-    import socket
-    import subprocess
-    import sys
-    import time
 
     import boto3
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}  # the 3 IAM calls that create the admin
-    log = open(tmp_path_factory.mktemp("moto-auth") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", "from moto.server import main; import sys; main(sys.argv[1:])",
-                             "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
+    # the first 3 requests (the IAM calls that create the admin) need no credentials
+    proc, url = _moto_process(tmp_path_factory.mktemp("moto-auth") / "server.log",
+                              {"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
         kw = {"endpoint_url": url, "region_name": "us-east-1"}
         iam = boto3.client("iam", aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap", **kw)
         iam.create_user(UserName="admin")
@@ -217,7 +227,6 @@ def s3_auth_server(tmp_path_factory) -> Any:
     finally:
         proc.kill()
         proc.wait()
-        log.close()
 
 
 class FlakyS3Proxy:

@@ -1,10 +1,14 @@
-"""Object-store roots (``s3://``) against a real S3 API server (moto, on 127.0.0.1).
+"""Object-store roots (``s3://``) against a real S3 API server (moto's, a process on 127.0.0.1).
 
-In-process: ``DCPCheckpointIO`` generations and their marker, a flipped byte, an exception in
-the middle of a multipart upload, setup errors (missing bucket, wrong credentials). Real
-processes (``tests/scripts/train_recover.py``): SIGKILL mid-epoch and the same command again,
-on one process and two ranks (DDP, FSDP2), compared bit for bit with an uninterrupted local
-run; a SIGKILL in the middle of an upload; a PUT denied on rank 1 only.
+In-process: ``DCPCheckpointIO`` generations and their marker, a flipped byte, an upload failing
+in the middle (also in a writer thread of DCP's, and in a ``RecoverCallback`` run that then
+resumes), a stop at each commit point, HF exports with ``max_keep`` and an interrupted upload,
+throttled requests (a proxy answering ``503 SlowDown``), setup errors (missing bucket, wrong
+credentials). Real processes: both callbacks in their default modes on one process, DDP, FSDP1
+and FSDP2 (``tests/scripts/train_fsdp1.py``), SIGKILLed mid-epoch and run again with the same
+command, compared bit for bit with an uninterrupted local run; a SIGKILL in the middle of an
+upload, a flipped byte in rank 1's object, a PUT denied on rank 1 only
+(``tests/scripts/train_recover.py``).
 """
 
 from __future__ import annotations
@@ -123,6 +127,105 @@ def test_an_exception_in_the_middle_of_an_upload_keeps_the_previous_checkpoint(s
     _assert_equal(io.load_checkpoint(path), _state(4, numel=big))
     assert len({k.split("/")[-2] for k in s3_objects(s3_server, path)}) == 1
     io.teardown()
+
+
+def test_a_write_failing_in_a_writer_thread_fails_the_save(s3_server, s3_root, monkeypatch) -> None:
+    """torch's DCP writer threads (``thread_count`` > 1) die on an exception without telling the
+    save, which then returned the other files' items as if complete (a checkpoint missing a
+    file's tensors). One big tensor puts the only multipart upload in the file DCP's spawned
+    thread takes first; its upload fails there: every such save must fail, and none commits."""
+    io = DCPCheckpointIO("sync", thread_count=2, storage_options=SMALL_PARTS)
+    state = {"big": torch.randn(3 << 20), **{f"small{i}": torch.randn(8) for i in range(6)}}
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", "objectstore.mid_upload:raise")
+    for i in range(3):
+        with pytest.raises(CheckpointWriteError, match="InjectedFault"):
+            io.save_checkpoint(state, f"{s3_root}/ckpt{i}")
+        assert not [k for k in s3_objects(s3_server, f"{s3_root}/ckpt{i}") if k.endswith("COMMITTED.json")]
+    io.teardown()
+
+
+class _Wide(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule):
+    """12 MB of weights (36 MB per recover save: two files of four 5 MiB parts each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(1024, 3072)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.layer(x).square().mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _fit_wide(root: str, steps: int, **recover_kwargs) -> _Wide:
+    from conftest import make_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from areal_lightning import RecoverCallback
+
+    recover = RecoverCallback(fileroot=root, experiment_name="e", trial_name="t", user="u", freq_steps=2,
+                              io_mode="sync", storage_options=SMALL_PARTS, **recover_kwargs)
+    module = _Wide()
+    data = DataLoader(TensorDataset(torch.randn(32, 1024, generator=torch.Generator().manual_seed(1))), batch_size=4)
+    make_trainer([recover], max_steps=steps).fit(module, data)
+    return module
+
+
+def test_an_upload_failing_mid_save_leaves_the_previous_generation_and_the_rerun_resumes_exactly(
+        s3_server, s3_root, monkeypatch) -> None:
+    """The step-4 save's upload fails after its first part (in whichever writer thread): the fit
+    raises, no incomplete upload is left, step 2's generation stays the checkpoint, and the
+    same run started again resumes from it with the uninterrupted run's losses."""
+    from areal_lightning._fault import reset_fault_counts
+
+    want = _fit_wide(f"{s3_root}/reference", 6).losses
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", "objectstore.mid_upload:raise@3")  # step 2: hits 1, 2
+    reset_fault_counts()
+    with pytest.raises(CheckpointWriteError, match="InjectedFault"):
+        _fit_wide(s3_root, 6)
+    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
+    trial = f"{s3_root}/checkpoints/u/e/t"
+    assert s3_uploads(s3_server, trial) == []
+    markers = [k for k in s3_objects(s3_server, trial) if k.endswith("COMMITTED.json")]
+    assert len(markers) == 1 and "/recover_info/2-" in markers[0]
+    resumed = _fit_wide(s3_root, 6)
+    assert resumed.losses == want[2:]
+    assert len({k.split("/")[-2] for k in s3_objects(s3_server, trial)}) == 1
+
+
+@pytest.mark.parametrize("point", ["objectstore.before_marker", "objectstore.after_marker",
+                                   "objectstore.marker_deleted"])
+def test_a_crash_at_each_commit_point_leaves_one_committed_generation_to_resume(s3_server, s3_root, monkeypatch,
+                                                                                tokenizer, point) -> None:
+    """The commit of the second recover save stops at ``point`` (before its marker, right after
+    it, after the older marker was deleted): the newest committed generation loads (the old one,
+    or the new one), and the next run's commit leaves exactly one generation."""
+    from conftest import LMModule, make_trainer, tiny_llama, token_loader
+
+    from areal_lightning import RecoverCallback
+    from areal_lightning._fault import reset_fault_counts
+
+    def fit(steps: int) -> RecoverCallback:
+        recover = RecoverCallback(fileroot=s3_root, experiment_name="e", trial_name="t", user="u", freq_steps=2,
+                                  io_mode="sync")
+        make_trainer([recover], max_steps=steps).fit(LMModule(tiny_llama(), tokenizer), token_loader())
+        return recover
+
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", f"{point}:raise@2")
+    reset_fault_counts()
+    with pytest.raises(Exception, match="InjectedFault"):
+        fit(6)
+    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
+    trial = f"{s3_root}/checkpoints/u/e/t"
+    newest = fit(8).resumed_from  # resumes from the newest committed generation, then commits steps 6, 8
+    assert newest is not None and newest.global_step == (1 if point == "objectstore.before_marker" else 3)
+    assert len({k.split("/")[-2] for k in s3_objects(s3_server, trial)}) == 1
 
 
 # -- setup errors ---------------------------------------------------------------------------
@@ -275,12 +378,12 @@ LM_SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp1.py"
 LM_CASES = {
     # name: (ranks, args). A tiny Llama fine-tuned with validation every 5 steps, HFSaverCallback
     # (export every 4 steps) + RecoverCallback (every 3 steps) in their default modes (auto: async
-    # on both), Lightning's launcher; killed at the end of step 7 (step 6's async save waited for
-    # step 3's: at least that one is committed).
+    # on both), Lightning's launcher; one epoch (16 steps on one process, 8 on two ranks), killed at
+    # the end of step 7 (step 6's async save waited for step 3's: at least that one is committed).
     "1-process": (1, ("--strategy", "single", "--epochs", "1")),
-    "ddp-2": (2, ("--strategy", "ddp")),
-    "fsdp1-2": (2, ("--strategy", "fsdp1")),
-    "fsdp2-2": (2, ("--strategy", "fsdp2")),
+    "ddp-2": (2, ("--strategy", "ddp", "--epochs", "1")),
+    "fsdp1-2": (2, ("--strategy", "fsdp1", "--epochs", "1")),
+    "fsdp2-2": (2, ("--strategy", "fsdp2", "--epochs", "1")),
 }
 
 
@@ -352,13 +455,11 @@ def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("action", ["kill", "raise"])
-def test_a_sigkill_or_an_error_in_the_middle_of_an_upload_resumes_from_the_previous_generation(
-        s3_server, s3_root, tmp_path, action) -> None:
-    """The run is SIGKILLed (or the upload fails) while a data file of the step-10 save is a
-    multipart upload in progress: the rerun resumes from step 5's committed generation, bit
-    for bit, and after its next commit neither the failed generation nor an incomplete upload
-    is left."""
+def test_a_sigkill_in_the_middle_of_an_upload_resumes_from_the_previous_generation(s3_server, s3_root,
+                                                                                    tmp_path) -> None:
+    """The run is SIGKILLed while a data file of the step-10 save is a multipart upload in
+    progress: the rerun resumes from step 5's committed generation, bit for bit, and after its
+    next commit neither the killed generation nor its incomplete upload is left."""
     args = ("--hidden", "200000", "--freq-steps", "5", "--epochs", "2",
             "--storage-options", json.dumps(SMALL_PARTS))  # ~9 MB of weights, 24 MB per save: two files of three parts
     reference = tmp_path / "reference"
@@ -367,14 +468,9 @@ def test_a_sigkill_or_an_error_in_the_middle_of_an_upload_resumes_from_the_previ
     run = tmp_path / "run"
     run.mkdir()
     trial = f"{s3_root}/checkpoints/u/exp/t"
-    failed = _train(run, "--fileroot", s3_root, *args, env={"AREAL_LIGHTNING_FAULT": f"objectstore.mid_upload:{action}@3"})
-    if action == "kill":
-        assert failed.returncode == -9, failed.stderr[-3000:]
-        assert s3_uploads(s3_server, trial), "the kill did not leave an incomplete multipart upload"
-    else:
-        assert failed.returncode != 0 and "CheckpointWriteError" in failed.stderr, failed.stderr[-3000:]
-        assert "InjectedFault" in failed.stderr  # the upload's own error, not torch.save's "unexpected pos"
-        assert s3_uploads(s3_server, trial) == []  # the failed write aborted its upload
+    killed = _train(run, "--fileroot", s3_root, *args, env={"AREAL_LIGHTNING_FAULT": "objectstore.mid_upload:kill@3"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert s3_uploads(s3_server, trial), "the kill did not leave an incomplete multipart upload"
     resumed = _train(run, "--fileroot", s3_root, *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "after global step 4 (epoch 0, step 4 in epoch)" in resumed.stderr

@@ -272,18 +272,25 @@ class _CommitWriter(FileSystemWriter):
         fault_point("engine.after_staging")
 
     @contextlib.contextmanager
-    def _hashed(self, on_closed: Callable[[str, HashingStream], None]) -> Any:
+    def _hashed(self, on_closed: Callable[[str, HashingStream], None],
+                on_error: Callable[[BaseException], None] | None = None) -> Any:
         """For the duration of the block, every stream this writer's FileSystem creates is a
-        :class:`HashingStream`, handed to ``on_closed(name, stream)`` once written and closed."""
+        :class:`HashingStream`, handed to ``on_closed(name, stream)`` once written and closed;
+        an error while one is opened, written or closed goes to ``on_error`` (then on up)."""
         create_stream = self.fs.create_stream
 
         @contextlib.contextmanager
         def hashing(path: Any, mode: str) -> Any:
-            with create_stream(path, mode) as raw:
-                stream = HashingStream(raw)
-                yield stream
-                stream.close()
-            on_closed(Path(path).name, stream)
+            try:
+                with create_stream(path, mode) as raw:
+                    stream = HashingStream(raw)
+                    yield stream
+                    stream.close()
+                on_closed(Path(path).name, stream)
+            except BaseException as exc:
+                if on_error is not None:
+                    on_error(exc)
+                raise
 
         self.fs.create_stream = hashing  # this writer's own FileSystem, for this call only
         try:
@@ -292,26 +299,27 @@ class _CommitWriter(FileSystemWriter):
             del self.fs.create_stream
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        # Fault point "engine.after_shard_file" after each shard file is written, fsynced and
-        # closed. DCP writes the files from its writer threads (and an async save runs this in
-        # a background thread): a "kill" SIGKILLs the whole process from any of them; a
-        # "raise" in a writer thread is re-raised here, so the save fails as a whole.
+        # DCP writes the files from its writer threads (and an async save runs this in a
+        # background thread). torch's writer threads end on an exception without telling the
+        # save, which then returns the other files' items only: every error of a file's write
+        # is kept here and re-raised, and the items written are counted against the plan, so
+        # the save fails as a whole. Fault point "engine.after_shard_file" after each shard
+        # file is written, fsynced and closed: a "kill" SIGKILLs the whole process from any thread.
         errors: list[BaseException] = []
         faults = fault_enabled()
 
         def closed(name: str, stream: HashingStream) -> None:
             self.checksums.add(name, stream)
             if faults:
-                try:
-                    fault_point("engine.after_shard_file")
-                except BaseException as exc:
-                    errors.append(exc)
-                    raise
+                fault_point("engine.after_shard_file")
 
-        with self._hashed(closed):
+        with self._hashed(closed, errors.append):
             result = super().write_data(plan, planner)
         if errors:
             raise errors[0]
+        if len(result.value()) != len(plan.items):
+            raise CheckpointWriteError(f"{self.path}: DCP's writer threads wrote {len(result.value())} of the "
+                                       f"{len(plan.items)} items of this rank; a writer thread failed")
         self.checksums.attach(result.value())
         if self.checksums.written.unhashed:
             log.warning("%s: %d of %d items were written in a way this version cannot checksum; they are "
