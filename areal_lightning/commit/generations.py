@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from areal_lightning._fault import fault_point
+from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import abort_uploads, filesystem, join, name, strip, write_exclusive
 
 __all__ = ["MARKER", "Generations"]
@@ -164,9 +166,6 @@ class GenerationCommit:
 
 def check_written(generations: Generations, gen: str) -> None:
     """Raise :class:`CheckpointCorruptError` unless DCP's ``.metadata`` of ``gen`` is there."""
-    from areal_lightning.errors import CheckpointCorruptError
-    from areal_lightning.layout import COMMIT_MARKER
-
     fs = generations.fs
     uri = generations.uri(gen, COMMIT_MARKER)
     fs.invalidate_cache(strip(fs, generations.uri(gen)))
@@ -178,8 +177,6 @@ def check_written(generations: Generations, gen: str) -> None:
 def resolve(path: str, storage_options: Mapping[str, Any] | None = None) -> str:
     """The DCP prefix to load for an object-store ``path``: ``path`` itself if it holds a DCP
     ``.metadata``, else its newest committed generation (``FileNotFoundError`` if none)."""
-    from areal_lightning.layout import COMMIT_MARKER
-
     generations = Generations(path, storage_options)
     fs = generations.fs
     fs.invalidate_cache(strip(fs, generations.prefix))

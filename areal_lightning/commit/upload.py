@@ -29,7 +29,8 @@ from areal_lightning.commit.generations import MARKER, utc_now
 from areal_lightning.layout import parse_export_name
 from areal_lightning.objectstore import abort_uploads, filesystem, join, name, strip, write_exclusive
 
-__all__ = ["UploadCommit", "committed_exports", "remove_export", "clean_uncommitted_exports", "default_staging"]
+__all__ = ["UploadCommit", "exports_of", "committed_exports", "remove_export", "clean_uncommitted_exports",
+           "default_staging"]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class UploadCommit:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _exports(model_dir: str, storage_options: Mapping[str, Any] | None) -> list[tuple[Any, str, bool]]:
+def exports_of(model_dir: str, storage_options: Mapping[str, Any] | None) -> list[tuple[Any, str, bool]]:
     """``(parsed name, uri, committed)`` of every export-named folder under ``model_dir``."""
     fs = filesystem(model_dir, storage_options)
     fs.invalidate_cache(strip(fs, model_dir))
@@ -113,7 +114,7 @@ def _exports(model_dir: str, storage_options: Mapping[str, Any] | None) -> list[
 
 def committed_exports(model_dir: str, storage_options: Mapping[str, Any] | None = None) -> list[tuple[Any, str]]:
     """The committed exports under ``model_dir``, oldest first (by global step)."""
-    return [(parsed, uri) for parsed, uri, committed in _exports(model_dir, storage_options) if committed]
+    return [(parsed, uri) for parsed, uri, committed in exports_of(model_dir, storage_options) if committed]
 
 
 def remove_export(uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -134,7 +135,7 @@ def clean_uncommitted_exports(model_dir: str, storage_options: Mapping[str, Any]
     """Remove export folders without a marker and the incomplete multipart uploads under
     export folders of ``model_dir`` (call with no export in flight). Returns the removed URIs."""
     removed = []
-    for _parsed, uri, committed in _exports(model_dir, storage_options):
+    for _parsed, uri, committed in exports_of(model_dir, storage_options):
         if not committed:
             remove_export(uri, storage_options)
             removed.append(uri)

@@ -155,7 +155,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self.layout = TrialLayout(exp.fileroot if remote else Path(exp.fileroot), exp.resolved_user,
                                   exp.experiment_name, exp.trial_name)
         self.storage_options = exp.storage_options or {}
-        if staging_dir is not None and not isinstance(staging_dir, (str, os.PathLike)) or is_uri(staging_dir):
+        if staging_dir is not None and (not isinstance(staging_dir, (str, os.PathLike)) or is_uri(staging_dir)):
             raise ConfigError("staging_dir", f"expected a local folder path or None, got {staging_dir!r}")
         self.staging_dir = Path(staging_dir) if staging_dir is not None else None
         if remote and sharded_method == "dcp":

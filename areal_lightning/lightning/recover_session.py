@@ -218,7 +218,8 @@ class RecoverSession:
         def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
             if checkpoint_path is not None:
                 log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
-                if not _is_dcp_dir(checkpoint_path, self.io.engine.storage_options):  # the user's own checkpoint: their CheckpointIO
+                # the user's own checkpoint: their CheckpointIO
+                if not _is_dcp_dir(checkpoint_path, self.io.engine.storage_options):
                     return original(checkpoint_path, weights_only)
                 with bridged(trainer.strategy, self.io):  # a recover checkpoint (or a copy of one)
                     original(checkpoint_path, weights_only)

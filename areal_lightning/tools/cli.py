@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Download the committed HF export at URI (an export folder, or a model folder: its newest "
                     "export) into DEST and print DEST. Exit code 0: done; 2: nothing committed there or DEST not "
                     "empty.")
-    down.add_argument("uri", help="s3://.../{trial}/{model}/epoch{E}epochstep{S}globalstep{G} or s3://.../{trial}/{model}")
+    down.add_argument("uri", help="s3://.../{trial}/{model}/epoch{E}epochstep{S}globalstep{G}, or "
+                                   "s3://.../{trial}/{model} for its newest export")
     down.add_argument("dest", nargs="?", default=None, help="local folder (default: a new temporary one)")
     down.set_defaults(func=_download)
     cert = sub.add_parser(

@@ -666,7 +666,8 @@ def run_inspect(path: str, verify: bool = False, as_json: bool = False, user: st
         return 2
     valid = all(r["valid"] for r in reports)
     if as_json:
-        doc = {"path": path if is_remote(path) else str(Path(os.path.abspath(path))), "verified": verify, "valid": valid, "trials": reports}
+        shown = path if is_remote(path) else str(Path(os.path.abspath(path)))
+        doc = {"path": shown, "verified": verify, "valid": valid, "trials": reports}
         print(json.dumps(doc, indent=2, sort_keys=False))
     else:
         render_reports(reports)

@@ -16,7 +16,7 @@ from typing import Any
 from areal_lightning.commit.generations import MARKER, Generations
 from areal_lightning.commit.manifest import check_files
 from areal_lightning.commit.recover_store import check_info
-from areal_lightning.commit.upload import _exports
+from areal_lightning.commit.upload import exports_of
 from areal_lightning.errors import CheckpointCorruptError, start_fresh
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
@@ -125,7 +125,7 @@ def inspect_remote_trial(trial_dir: str, verify: bool = False, storage_options: 
     models = [m for m in _dirs(fs, trial_dir) if m != RECOVER_INFO and not m.startswith(".")]
     exports, leftovers = [], []
     for model in models:
-        for parsed, uri, committed in _exports(layout.model_dir(model), storage_options):
+        for parsed, uri, committed in exports_of(layout.model_dir(model), storage_options):
             report = _export_report(uri, committed, parsed, fs, now)
             report["model"] = model
             if committed:

@@ -89,7 +89,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem  # private module: pinned in tests/test_objectstore.py
+# a private module of torch (what FsspecWriter/FsspecReader use): pinned by tests/test_objectstore.py
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
