@@ -29,6 +29,13 @@ def train(root: Path, losses: Path, *args: str, env: dict | None = None) -> subp
                           capture_output=True, text=True, timeout=300, cwd=REPO, env=full_env)
 
 
+def both_ranks(stderr: str) -> str:
+    """The end of a 2-rank run's stderr, with rank 1's own lines first (its error is usually
+    far from the end, behind rank 0's report of the lost connection)."""
+    rank1 = [line for line in stderr.splitlines() if line.startswith("[rank1]")]
+    return "rank 1:\n" + "\n".join(rank1)[-6000:] + "\n--- end of the run's stderr:\n" + stderr[-3000:]
+
+
 def losses_by_step(path: Path) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for line in path.read_text().splitlines():
@@ -174,7 +181,7 @@ def test_sigterm_on_one_rank_checkpoints_that_step_on_every_rank_and_the_rerun_r
     info = tmp_path / "checkpoints" / "u" / "exp" / "t" / "recover_info" / "step_info.json"
     assert json.loads(info.read_text())["global_step"] == 7
     resumed = train(tmp_path, losses, *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, both_ranks(resumed.stderr)
     for rank in (0, 1):
         steps = [json.loads(line)["step"] for line in Path(f"{losses}.rank{rank}").read_text().splitlines()]
         assert steps == sorted(set(steps)), f"rank {rank} trained a step twice"

@@ -75,6 +75,7 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 import time
 import types
 import warnings
@@ -274,14 +275,23 @@ class _CommitWriter(FileSystemWriter):
 
     @contextlib.contextmanager
     def _hashed(self, on_closed: Callable[[str, HashingStream], None],
-                on_error: Callable[[BaseException], None] | None = None) -> Any:
+                errors: list[BaseException] | None = None) -> Any:
         """For the duration of the block, every stream this writer's FileSystem creates is a
-        :class:`HashingStream`, handed to ``on_closed(name, stream)`` once written and closed;
-        an error while one is opened, written or closed goes to ``on_error`` (then on up)."""
+        :class:`HashingStream`, handed to ``on_closed(name, stream)`` once written and closed.
+        An error while one is opened, written or closed is appended to ``errors`` (then raised
+        on); once there is one, no further stream of the save is opened, and the block waits
+        until the streams still open in other writer threads are closed (torch returns from
+        a failed save without joining its writer threads)."""
         create_stream = self.fs.create_stream
+        open_streams = threading.Condition()
+        count = [0]
 
         @contextlib.contextmanager
         def hashing(path: Any, mode: str) -> Any:
+            if errors:
+                raise CheckpointWriteError(f"{path}: not written, the save already failed: {errors[0]!r}")
+            with open_streams:
+                count[0] += 1
             try:
                 with create_stream(path, mode) as raw:
                     stream = HashingStream(raw)
@@ -289,13 +299,21 @@ class _CommitWriter(FileSystemWriter):
                     stream.close()
                 on_closed(Path(path).name, stream)
             except BaseException as exc:
-                if on_error is not None:
-                    on_error(exc)
+                if errors is not None:
+                    errors.append(exc)
                 raise
+            finally:
+                with open_streams:
+                    count[0] -= 1
+                    open_streams.notify_all()
 
         self.fs.create_stream = hashing  # this writer's own FileSystem, for this call only
         try:
             yield
+        except BaseException:
+            with open_streams:  # the other writer threads' files: finished (or failed) before the save fails
+                open_streams.wait_for(lambda: count[0] == 0, timeout=DEFAULT_TIMEOUT_S)
+            raise
         finally:
             del self.fs.create_stream
 
@@ -314,7 +332,7 @@ class _CommitWriter(FileSystemWriter):
             if faults:
                 fault_point("engine.after_shard_file")
 
-        with self._hashed(closed, errors.append):
+        with self._hashed(closed, errors):
             result = super().write_data(plan, planner)
         if errors:
             raise errors[0]
