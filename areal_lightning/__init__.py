@@ -20,7 +20,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Like Lightning does for its own logger: show our INFO lines (saves, resumes) unless the
 # application configured logging itself.

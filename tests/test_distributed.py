@@ -142,29 +142,49 @@ def _equal(a, b, path="") -> None:
         assert a == b, (path, a, b)
 
 
-@pytest.mark.parametrize("strategy,old,new", [("fsdp2", 2, 1), ("ddp", 1, 2)])
-def test_resharding_resumes_model_optimizer_and_data_position(tmp_path, strategy, old, new) -> None:
-    """A recover checkpoint written by ``old`` ranks resumes on ``new`` ranks: the model and
-    optimizer state after the resume equal the saved ones (gathered by parameter name), and
-    the epoch's samples are each trained exactly once across both runs."""
-    args = ("--strategy", strategy, "--freq-steps", "4", "--epochs", "2", "--logger", "none",
-            "--dump-state", str(tmp_path / "state"))
-    killed = train(tmp_path, tmp_path / "old.jsonl", *args, "--devices", str(old), "--kill-at-step", "5")
-    assert killed.returncode == -9
-    resumed = train(tmp_path, tmp_path / "new.jsonl", *args, "--devices", str(new))
+RESUME_ELSEWHERE = {
+    # name: (strategy, ranks) that wrote the checkpoint -> (strategy, ranks) that resumes it, the
+    # step of the checkpoint. Mid-epoch (step 4) where both shard the data with a DistributedSampler;
+    # from one process (a RandomSampler: another order) at an epoch's end (6 or 12 steps an epoch).
+    "fsdp2x2-to-fsdp2x1": (("fsdp2", 2), ("fsdp2", 1), 4),
+    "ddpx1-to-ddpx2": (("ddp", 1), ("ddp", 2), 4),
+    # across strategy families: one canonical format (parameter names, whatever the wrapper)
+    "fsdp1x2-to-single": (("fsdp1", 2), ("single", 1), 6),
+    "fsdp2x2-to-ddpx2": (("fsdp2", 2), ("ddp", 2), 4),
+    "ddpx2-to-fsdp1x2": (("ddp", 2), ("fsdp1", 2), 4),
+    "single-to-fsdp2x2": (("single", 1), ("fsdp2", 2), 12),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_ELSEWHERE))
+def test_a_recover_checkpoint_resumes_under_another_strategy_and_world_size(tmp_path, case) -> None:
+    """A recover checkpoint written by one strategy and world size resumes under another: the
+    model and optimizer state after the resume equal the saved ones (gathered by parameter
+    name, bitwise), and the epoch's samples are each trained exactly once across both runs."""
+    (old_strategy, old), (new_strategy, new), saved = RESUME_ELSEWHERE[case]
+    args = ("--freq-steps", str(saved), "--epochs", "2", "--logger", "none", "--dump-state", str(tmp_path / "state"))
+    killed = train(tmp_path, tmp_path / "old.jsonl", *args, "--strategy", old_strategy, "--devices", str(old),
+                   "--kill-at-step", str(saved + 1))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = train(tmp_path, tmp_path / "new.jsonl", *args, "--strategy", new_strategy, "--devices", str(new))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resharding the recover checkpoint written by {old} rank(s)" in resumed.stderr
-    _equal(torch.load(tmp_path / "state.step4.pt"), torch.load(tmp_path / "state.start4.pt"))
+    if old != new:
+        assert f"resharding the recover checkpoint written by {old} rank(s)" in resumed.stderr
+    if old_strategy != new_strategy:
+        assert "model and optimizer states are loaded by parameter name" in resumed.stderr
+    _equal(torch.load(tmp_path / f"state.step{saved}.pt"), torch.load(tmp_path / f"state.start{saved}.pt"))
 
     def samples(name: str, world: int, first: int, last: int) -> list[int]:
         files = [tmp_path / name] if world == 1 else [Path(f"{tmp_path / name}.rank{r}") for r in range(world)]
         return [s for f in files for row in rows(f) if first <= row["step"] <= last for s in row["samples"]]
 
-    before = samples("old.jsonl", old, 1, 4)  # trained and saved by the old world (step 5 was lost)
-    left = (48 - len(before)) // (4 * new)  # steps the new world needs to finish the epoch
-    after = samples("new.jsonl", new, 5, 4 + left)
-    assert sorted(before + after) == list(range(48))  # every sample of epoch 0 exactly once
-    assert samples("new.jsonl", new, 5 + left, 5 + left) != []  # and then the next epoch
+    before = samples("old.jsonl", old, 1, saved)  # trained and saved by the old world (the next step was lost)
+    epoch = 48 * (1 + len(before) // 48)  # samples up to the end of the epoch the new world continues
+    left = (epoch - len(before)) // (4 * new)  # steps the new world needs to finish it
+    after = samples("new.jsonl", new, saved + 1, saved + left)
+    assert sorted(before + after) == sorted(list(range(48)) * (epoch // 48))  # every sample once an epoch
+    if left == 0 or epoch == 48:
+        assert samples("new.jsonl", new, saved + left + 1, saved + left + 1) != []  # and then the next epoch
 
 
 def test_torchrun_max_restarts_resumes_each_restart_bit_for_bit(tmp_path, tmp_path_factory) -> None:

@@ -295,21 +295,30 @@ def test_a_checkpoint_with_the_earlier_whole_file_crc32_manifest_still_resumes_a
     assert resumed.losses == {k: v for k, v in want.items() if k >= min(resumed.losses)} and min(resumed.losses) <= 6
 
 
-def test_sharded_vs_replicated_strategy_mismatch_is_explained(tmp_path) -> None:
-    run(tmp_path, crash_at=6)
-    path = trial(tmp_path) / "recover_info" / "checkpoint_info.json"
-    info = json.loads(path.read_text())
-    info.update(strategy="ModelParallelStrategy", family="sharded")  # as written by an FSDP2 run
-    path.write_text(json.dumps(info))
-    before = snapshot(tmp_path)
-    with pytest.raises(RecoverMismatchError, match="strategy='ModelParallelStrategy' .sharded parameters. but this "
-                                                   "run has strategy='SingleDeviceStrategy' .replicated parameters."):
-        trainer([recover(tmp_path)]).fit(Net(), plain_loader())
-    assert snapshot(tmp_path) == before
-    del info["family"]  # written before the family was recorded: told by the strategy's name
-    path.write_text(json.dumps(info))
-    with pytest.raises(RecoverMismatchError, match="strategy='ModelParallelStrategy' .sharded parameters."):
-        trainer([recover(tmp_path)]).fit(Net(), plain_loader())
+def test_a_mid_epoch_position_of_a_distributed_sampler_is_refused_by_a_plain_loader() -> None:
+    """A mid-epoch checkpoint counts batches of the saved sampler's order: a run whose loader
+    draws another order (one process without a DistributedSampler) is refused before its first
+    batch, naming both samplers; at an epoch boundary any loader continues."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from areal_lightning.capture.loader import LoaderTracker
+
+    def resumed(saved: str, boundary: bool, loader: DataLoader) -> Any:
+        tracker = LoaderTracker()
+        tracker.load_state_dict({"at_boundary": boundary, "loaders": {"0": {
+            "batches_done": 3, "sampler": saved, "stateful": False, "batch_size": 4, "num_workers": 0,
+            "iter_rng": torch.get_rng_state(), "first_rng": torch.get_rng_state()}}}, torch.get_rng_state())
+        return next(iter(tracker.track(loader, 0)))
+
+    with pytest.raises(RecoverMismatchError, match="after 3 batches of an epoch drawn by a DistributedSampler, but "
+                                                   "this run draws its batches with a RandomSampler"):
+        resumed("DistributedSampler", False, DataLoader(Data(), batch_size=4, shuffle=True))
+    with pytest.raises(RecoverMismatchError, match="drawn by a RandomSampler, but this run draws its batches with a "
+                                                   "DistributedSampler.*one process without a DistributedSampler"):
+        resumed("RandomSampler", False, DataLoader(Data(), batch_size=4,
+                                                   sampler=DistributedSampler(Data(), num_replicas=2, rank=0)))
+    assert resumed("DistributedSampler", True, DataLoader(Data(), batch_size=4, shuffle=True)) is not None
+    assert resumed("SequentialSampler", False, DataLoader(Data(), batch_size=4)) is not None
 
 
 def test_deleting_recover_info_starts_fresh(tmp_path) -> None:

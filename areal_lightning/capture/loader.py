@@ -224,6 +224,28 @@ def _check_loader(loader: Any, index: int, pending: dict[str, Any]) -> None:
             f"{start_fresh()}.")
 
 
+_DISTRIBUTED_SAMPLERS = ("DistributedSampler", "DistributedSamplerWrapper")
+
+
+def _check_sampler(loader: Any, index: int, pending: dict[str, Any]) -> None:
+    """A mid-epoch position counts batches of the saved sampler's order: the loader Lightning
+    iterates now must draw the same kind of order (a ``DistributedSampler``, which Lightning
+    injects under DDP/FSDP whatever the world size, or not)."""
+    saved = pending.get("sampler")
+    if pending.get("at_boundary") or not pending.get("done") or saved is None:
+        return
+    live = type(_index_sampler(loader)).__name__
+    if (saved in _DISTRIBUTED_SAMPLERS) == (live in _DISTRIBUTED_SAMPLERS):
+        return
+    like = ("a strategy that shards the data (DDP, FSDP: any world size)" if saved in _DISTRIBUTED_SAMPLERS
+            else "one process without a DistributedSampler")
+    raise RecoverMismatchError(
+        f"resume: train dataloader {index} was checkpointed after {pending['done']} batches of an epoch drawn by a "
+        f"{saved}, but this run draws its batches with a {live}, whose order differs: the position would point at "
+        f"other samples. Resume this mid-epoch checkpoint with {like}, or resume from a checkpoint taken at an "
+        f"epoch boundary (any strategy), or {start_fresh()}.")
+
+
 def _ended_early(done: int, wanted: int) -> str:
     return (f"resume: the train dataloader ended after {done} batches, but the checkpoint was taken after "
             f"{wanted} batches of this epoch; the dataset changed since the checkpoint was written. Restore it, "
@@ -338,9 +360,6 @@ class _TrackedIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-_DISTRIBUTED_SAMPLERS = ("DistributedSampler", "DistributedSamplerWrapper")
 
 
 def remap_position(state: dict[str, Any], old_world: int, new_world: int) -> dict[str, Any]:
@@ -565,6 +584,7 @@ class LoaderTracker:
         for key, entry in state.get("loaders", {}).items():
             common = {"batch_size": entry.get("batch_size"), "sampler_epoch": entry.get("sampler_epoch"),
                       "num_workers": entry.get("num_workers"), "worker_streams": entry.get("worker_streams"),
+                      "sampler": entry.get("sampler"),
                       "done": 0 if state["at_boundary"] else int(entry["batches_done"]),
                       "at_boundary": bool(state["at_boundary"])}
             if state["at_boundary"]:
@@ -589,6 +609,7 @@ class LoaderTracker:
         gen = _sampler_generator(loader, self._unwrap_sampler)
         if pending is not None:
             _check_loader(loader, index, pending)
+            _check_sampler(loader, index, pending)
             self._arm_streams(loader, index, pending)
             sampler = _index_sampler(loader)
             if pending.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):

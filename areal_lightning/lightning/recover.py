@@ -242,6 +242,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.enabled:
             warn_if_single_fsdp_unit(trainer.strategy)  # the model is wrapped by now
+        if self._session is not None:
+            self._session.fit_started()  # before Lightning restores the optimizers
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.state.position.train_started(trainer)

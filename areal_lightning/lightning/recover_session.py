@@ -33,10 +33,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from areal_lightning.capture.compiled import live_names
+from areal_lightning.capture.optimizer_names import by_index, parameter_names
 from areal_lightning.collective import check_shared_storage
 from areal_lightning.commit.generations import resolve
 from areal_lightning.commit.recover_store import RecoverStore, TrialLock
-from areal_lightning.errors import CheckpointCorruptError, ConfigError, start_fresh
+from areal_lightning.errors import CheckpointCorruptError, ConfigError, RecoverMismatchError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, DATALOADER_INFO, STATS_LOGGER_INFO, STEP_INFO
 from areal_lightning.lightning._internals import (
     Patch,
@@ -263,6 +264,24 @@ class RecoverSession:
         if isinstance(checkpoint.get("state_dict"), dict) and not is_sharded(self.trainer.strategy):
             live = self.trainer.lightning_module.state_dict().keys()
             checkpoint["state_dict"] = live_names(checkpoint["state_dict"], live)
+
+    def fit_started(self) -> None:
+        """Before Lightning restores the optimizers: a replicated strategy loads them by position
+        (``Optimizer.load_state_dict``), so the loaded states keyed by parameter name (every
+        recover checkpoint since 0.2.0, whatever strategy wrote it) are given that form now
+        that the optimizers exist. Sharded strategies loaded them by name already."""
+        checkpoint = loaded_checkpoint(self.trainer)
+        if not checkpoint or is_sharded(self.trainer.strategy) or not checkpoint.get("optimizer_states"):
+            return
+        names = parameter_names(self.trainer.lightning_module)
+        try:
+            checkpoint["optimizer_states"] = [
+                by_index(opt, state, names, f"optimizer {i}")
+                for i, (opt, state) in enumerate(zip(self.trainer.optimizers, checkpoint["optimizer_states"]))]
+        except ValueError as exc:
+            where = self.plan.path if self.plan is not None else "the checkpoint"
+            raise RecoverMismatchError(f"{where}: {exc}; the optimizers of this run do not match the "
+                                       f"checkpoint's, or {start_fresh(self.store.info_dir)}") from None
 
     def state_loaded(self) -> None:
         """The callback state of the checkpoint is loaded: an automatic resume writes back the

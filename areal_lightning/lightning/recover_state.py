@@ -23,6 +23,7 @@ from areal_lightning.capture.loader import (
     is_stateful_loader,
     remap_position,
 )
+from areal_lightning.capture.optimizer_names import by_name, names_every_parameter, parameter_names
 from areal_lightning.capture.rng import capture_rng, restore_rng
 from areal_lightning.collective import CheckpointGroup
 from areal_lightning.commit.recover_store import FORMAT_VERSION
@@ -42,6 +43,7 @@ from areal_lightning.lightning._internals import (
     train_loaders,
     wrapped_sampler,
 )
+from areal_lightning.lightning.bridge import is_sharded
 from areal_lightning.lightning.resume import checkpoint_files, csv_snapshots, strategy_family
 from areal_lightning.trigger import EpochPosition, FreqController, StepInfo
 
@@ -49,7 +51,7 @@ SAVE_POINTS = ("step_end", "epoch_end")
 """Where the callback's saves are taken: after everything Lightning runs for a step that is not
 its epoch's last (``step_end``), or after the epoch's end as well (``epoch_end``)."""
 
-__all__ = ["SAVE_POINTS", "RecoverState", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
+__all__ = ["SAVE_POINTS", "RecoverState", "optimizer_keys", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
            "at_epoch_boundary", "step_info"]
 
 
@@ -145,11 +147,19 @@ class RecoverState:
         return state
 
     def plain_names(self, checkpoint: dict[str, Any]) -> None:
-        """In our own saves, the model's state-dict keys without ``torch.compile``'s ``_orig_mod.``
-        segments (a compiled and an uncompiled run resume each other's checkpoints)."""
-        if self._saving is None or not isinstance(checkpoint.get("state_dict"), dict):
+        """In our own saves, the canonical form: the model's state-dict keys without
+        ``torch.compile``'s ``_orig_mod.`` segments (a compiled and an uncompiled run resume each
+        other's checkpoints), every optimizer's state keyed by parameter name as sharded
+        strategies key it (any strategy family resumes the checkpoint: :func:`optimizer_keys`)."""
+        if self._saving is None:
             return
-        checkpoint["state_dict"] = {plain_name(k): v for k, v in checkpoint["state_dict"].items()}
+        if isinstance(checkpoint.get("state_dict"), dict):
+            checkpoint["state_dict"] = {plain_name(k): v for k, v in checkpoint["state_dict"].items()}
+        trainer = self._saving[0]
+        if not is_sharded(trainer.strategy) and checkpoint.get("optimizer_states"):
+            names = parameter_names(trainer.lightning_module)
+            checkpoint["optimizer_states"] = [by_name(opt, state, names) for opt, state
+                                              in zip(trainer.optimizers, checkpoint["optimizer_states"])]
 
     def strip_loader_states(self, checkpoint: dict[str, Any]) -> None:
         """In our own saves, drop Lightning's copy of the train loaders' states: the tracker
@@ -305,6 +315,16 @@ def _versions() -> dict[str, str]:
             "transformers": transformers.__version__, "areal_lightning": __version__}
 
 
+def optimizer_keys(trainer: Any) -> str:
+    """How a recover save of this run keys its optimizer states: ``names`` (every strategy
+    family resumes it) or ``index`` (a parameter outside the LightningModule: replicated
+    strategies only, as every checkpoint of a replicated strategy before this field)."""
+    if is_sharded(trainer.strategy):
+        return "names"
+    names = parameter_names(trainer.lightning_module)
+    return "names" if all(names_every_parameter(opt, names) for opt in trainer.optimizers) else "index"
+
+
 def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str | None, experiment: Any,
              user: str) -> dict[str, dict[str, Any]]:
     """The content of every ``recover_info/`` file of a save taken now (``checkpoint_info.json``
@@ -336,6 +356,7 @@ def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str 
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
             "family": strategy_family(trainer.strategy),
+            "optimizer_keys": optimizer_keys(trainer),
             "num_devices": trainer.num_devices,
             "num_nodes": trainer.num_nodes,
             "accelerator": type(trainer.accelerator).__name__,

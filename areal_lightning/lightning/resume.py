@@ -39,7 +39,7 @@ from areal_lightning.lightning.bridge import SHARDED_STRATEGY_NAMES, is_sharded
 from areal_lightning.namespaces import classes
 
 __all__ = ["ResumePlan", "plan_resume", "agreed_plan", "continue_user_files", "csv_snapshots", "restore_csv_logs",
-           "checkpoint_files", "model_checkpoints", "strategy_family"]
+           "checkpoint_files", "model_checkpoints", "strategy_family", "saved_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,18 @@ def strategy_family(strategy: Any) -> str:
     """``sharded`` (FSDP, ModelParallel: optimizer state keyed by parameter name) or
     ``replicated`` (single device, DDP: keyed by parameter index)."""
     return "sharded" if is_sharded(strategy) else "replicated"
+
+
+NAMED_SINCE = "0.2.0"
+"""The first version whose recover checkpoints key every optimizer's state by parameter name."""
+
+
+def saved_keys(ckpt: dict[str, Any]) -> str:
+    """How a recover checkpoint keys its optimizer states (``checkpoint_info.json``): ``names``
+    or ``index`` (replicated strategies before the field was recorded)."""
+    if "optimizer_keys" in ckpt:
+        return str(ckpt["optimizer_keys"])
+    return "names" if (ckpt.get("family") or _family_of_name(ckpt["strategy"])) == "sharded" else "index"
 
 
 def _family_of_name(strategy_name: str) -> str:
@@ -85,12 +97,17 @@ def plan_resume(store: RecoverStore, experiment: ExperimentConfig, trainer: Any)
     strategy = type(trainer.strategy).__name__
     saved_family = ckpt.get("family") or _family_of_name(ckpt["strategy"])
     family = strategy_family(trainer.strategy)
-    if saved_family != family:
+    if saved_keys(ckpt) == "index" and family == "sharded":
         raise RecoverMismatchError(
-            f"{path}: the recover checkpoint was written with strategy={ckpt['strategy']!r} "
-            f"({saved_family} parameters) but this run has strategy={strategy!r} "
-            f"({family} parameters); their optimizer states are keyed differently. Resume with a "
-            f"{saved_family} strategy, or {start_fresh()}.")
+            f"{path}: the recover checkpoint was written with strategy={ckpt['strategy']!r}, whose optimizer "
+            f"states are keyed by position (written before areal_lightning {NAMED_SINCE}, or an optimizer "
+            f"updates a parameter outside the LightningModule), but this run has strategy={strategy!r} "
+            f"({family} parameters), which keys them by parameter name. Resume with a {saved_family} strategy "
+            f"(one process or DDP), or {start_fresh()}.")
+    if saved_family != family:
+        log.warning("RecoverCallback: the recover checkpoint was written with %s (%s parameters), this run has %s "
+                    "(%s parameters): model and optimizer states are loaded by parameter name", ckpt["strategy"],
+                    saved_family, strategy, family)
     if ckpt["world_size"] != trainer.world_size:
         log.warning("RecoverCallback: resharding the recover checkpoint written by %d rank(s) (%s) onto %d rank(s) "
                     "(%s): DCP reshards model and optimizer; the dataloader position is mapped by samples consumed",

@@ -123,8 +123,9 @@ class DumpState(pl.Callback):
             get_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model, optim = get_state_dict(pl_module, trainer.optimizers, options=options)
+        # the strategy's root module (FSDP1 wraps the LightningModule); no cpu_offload (FSDP1 on CPU)
+        options = StateDictOptions(full_state_dict=True)
+        model, optim = get_state_dict(trainer.strategy.model, trainer.optimizers, options=options)
         if trainer.is_global_zero:
             torch.save({"model": model, "optim": optim}, f"{self.prefix}.{tag}{trainer.global_step}.pt")
 
@@ -172,7 +173,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--logger", default="csv", choices=["csv", "none"])
     p.add_argument("--devices", type=int, default=1, help=">1: strategy='ddp' on CPU (gloo)")
-    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp2"],
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp1", "fsdp2", "single"],
                    help="ddp, or fsdp2 (fully_shard through ModelParallelStrategy); used when --devices > 1 "
                         "or --strategy is given explicitly")
     p.add_argument("--rank-seed", action="store_true", help="seed each rank differently")
@@ -214,6 +215,13 @@ def main() -> None:
     explicit = any(a.startswith("--strategy") for a in sys.argv)
     if args.strategy == "fsdp2":
         strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    elif args.strategy == "fsdp1":  # Lightning's FSDPStrategy on CPU ranks, one FSDP unit per Linear
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+        from fsdp1_cpu import CPUFSDPStrategy
+
+        strategy = CPUFSDPStrategy(auto_wrap_policy={torch.nn.Linear})
+    elif args.strategy == "single":
+        strategy = "auto"
     else:
         strategy = "ddp" if args.devices > 1 or explicit else "auto"
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, logger=logger,
