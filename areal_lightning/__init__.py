@@ -10,6 +10,7 @@
 - :class:`SaverConfig`, :class:`RecoverConfig`, :class:`ExperimentConfig` and
   :func:`load_config` read and validate Hydra-style YAML configs;
   :func:`callbacks_from_config` builds the enabled callbacks from one.
+- :func:`convert` writes a recover checkpoint as an HF folder or one Lightning checkpoint file.
 
 Names are imported lazily, so ``areal-lightning run`` starts without importing Lightning.
 """
@@ -53,6 +54,7 @@ _EXPORTS = {
     "TrialLockedError": "areal_lightning.errors",
     "StorageError": "areal_lightning.errors",
     "download_export": "areal_lightning.tools.download",
+    "convert": "areal_lightning.tools.convert",
     "AreaLightningError": "areal_lightning.errors",
     "Preempted": "areal_lightning.trigger.preempt",
     "PREEMPTED_EXIT_CODE": "areal_lightning.trigger.preempt",
@@ -102,5 +104,6 @@ if TYPE_CHECKING:
     )
     from areal_lightning.trigger.freq import FreqController
     from areal_lightning.trigger.preempt import PREEMPTED_EXIT_CODE, Preempted
+    from areal_lightning.tools.convert import convert
     from areal_lightning.tools.download import download_export
     from areal_lightning.trigger.step import StepInfo

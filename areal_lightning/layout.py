@@ -54,7 +54,9 @@ INFO_FILES = (STEP_INFO, SAVER_INFO, EVALUATOR_INFO, STATS_LOGGER_INFO, DATALOAD
 """The files of ``recover_info/``, in the order they are written."""
 LOCK_FILE = ".lock"
 """``{trial}/.lock``: the ``flock`` of the run writing the trial (holds its pid)."""
-RESERVED_NAMES = (RECOVER_INFO,)
+RECOVER_HF = "recover_hf"
+"""``recover_hf/{digest}/``: config and tokenizer files of the module's HF models, for ``convert``."""
+RESERVED_NAMES = (RECOVER_INFO, RECOVER_HF)
 
 # -- names of the atomic-directory protocol (commit/atomic.py) ---------------------------
 TMP_PREFIX = ".tmp-"

@@ -10,12 +10,17 @@ the losses the killed run logged (``losses.jsonl``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_recover_e2e import assert_exact, losses_by_step, train
+import torch
+from test_recover_e2e import REPO, assert_exact, losses_by_step, train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recover_trial_v0_1_0"
 TRIAL = Path("checkpoints/u/exp/t")
@@ -56,3 +61,97 @@ def test_a_checkpoint_keyed_by_position_is_refused_by_a_sharded_strategy_naming_
     after = _files(tmp_path / TRIAL)
     after.pop(".lock", None)
     assert after == before  # nothing on disk changed
+
+
+# -- convert: HF folder and one Lightning file, from every writer ---------------------------
+
+LM_SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp1.py"
+WRITERS = {"1-process": "single", "ddp-2": "ddp", "fsdp1-2": "fsdp1", "fsdp2-2": "fsdp2"}
+
+
+def _lm_script() -> Any:
+    spec = importlib.util.spec_from_file_location("train_fsdp1_for_convert", LM_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_convert_gives_the_hf_export_of_the_step_and_a_lightning_file_whatever_wrote_it(tmp_path, writer) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_lightning import convert
+    from areal_lightning.layout import parse_export_name
+    from areal_lightning.write.dcp import DCPEngine
+
+    root = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(LM_SCRIPT), "--root", str(root), "--losses", str(tmp_path / "l.jsonl"),
+                           "--strategy", WRITERS[writer], "--epochs", "1", "--freq-steps", "4", "--hf-freq-steps", "4"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trial = root / TRIAL
+    step = json.loads((trial / "recover_info" / "checkpoint_info.json").read_text())["global_step"]
+    exports = sorted((parse_export_name(p.name).global_step, p) for p in (trial / "default").iterdir()
+                     if parse_export_name(p.name))
+    assert exports[-1][0] == step - 1  # the last export is of the checkpoint's step
+    export = exports[-1][1]
+
+    hf = convert(root, "hf", tmp_path / "hf")  # the Python API, from the fileroot
+    assert sorted(p.name for p in hf.iterdir()) == sorted(p.name for p in export.iterdir())
+    for p in export.iterdir():
+        assert (hf / p.name).read_bytes() == p.read_bytes(), p.name  # bit for bit
+    AutoModelForCausalLM.from_pretrained(hf)
+    AutoTokenizer.from_pretrained(hf)
+    cli = subprocess.run([sys.executable, "-m", "areal_lightning", "convert", str(trial), "--to", "lightning",
+                          "--out", str(tmp_path / "one.ckpt")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert cli.stdout.strip() == str(tmp_path / "one.ckpt")
+
+    script = _lm_script()
+    weights = load_file(export / "model.safetensors")
+    module = script.LM.load_from_checkpoint(tmp_path / "one.ckpt", losses=str(tmp_path / "again.jsonl"))
+    live = module.model.state_dict()
+    for key, tensor in weights.items():
+        assert torch.equal(live[key], tensor), key
+
+    # trainer.fit(ckpt_path=...) on one process takes it: optimizer states by parameter name as saved
+    saved = DCPEngine().load(trial / "default" / "recover_checkpoint")["optimizer_states"][0]["state"]
+
+    class Check(script.pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            opt = trainer.optimizers[0]
+            for name, p in pl_module.named_parameters():
+                for k in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(opt.state[p][k], saved[name][k]), (name, k)
+            self.checked = trainer.global_step
+
+    check = Check()
+    trainer = script.pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[check])
+    trainer.fit(script.LM(str(tmp_path / "again.jsonl")), script.loader(1, 32, True), ckpt_path=tmp_path / "one.ckpt")
+    assert check.checked == step and trainer.global_step == step + 16  # the second epoch, on one process
+
+
+def test_convert_refuses_bad_input_naming_what_to_pass_and_writes_nothing(tmp_path) -> None:
+    from areal_lightning import ConfigError, convert
+    from areal_lightning.tools.convert import ConvertError
+
+    shutil.copytree(FIXTURE, tmp_path / "run")
+    with pytest.raises(ConfigError, match="to: unknown target 'onnx'; allowed: hf, lightning"):
+        convert(tmp_path / "run", "onnx", tmp_path / "out")
+    with pytest.raises(ConvertError, match="records no HF model named 'default' .* Pass hf_config"):
+        convert(tmp_path / "run", "hf", tmp_path / "out")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
+    with pytest.raises(ConvertError, match="already exists"):
+        convert(tmp_path / "run", "lightning", tmp_path / "taken")
+    assert (tmp_path / "taken" / "mine.txt").read_text() == "keep"
+    with pytest.raises(ValueError, match="taken is neither a fileroot .* nor a trial folder"):
+        convert(tmp_path / "taken", "lightning", tmp_path / "x.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "taken"]  # nothing else written
+    # an old trial converts to one Lightning file (its optimizer keyed by position already)
+    out = convert(tmp_path / "run", "lightning", tmp_path / "old.ckpt")
+    checkpoint = torch.load(out, weights_only=True)
+    assert checkpoint["global_step"] == 4 and set(checkpoint["optimizer_states"][0]["state"]) == {0, 1, 2, 3}

@@ -158,6 +158,13 @@ def fsdp1_state(root: torch.nn.Module, model: Any, *, full: bool, trainable_only
     return export_state_dict(model, own)
 
 
+def model_class(model: Any) -> type:
+    """The class of a ``PreTrainedModel`` (its own class when FSDP2 ``fully_shard`` made it ``FSDP<Class>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 def meta_twin(model: Any) -> Any:
     """A parameter-less twin of a ``PreTrainedModel`` (same class, config, generation config
     and dtype; parameters on the ``meta`` device) for ``save_pretrained(state_dict=...)`` in a
@@ -165,10 +172,8 @@ def meta_twin(model: Any) -> Any:
     (``use_orig_params=True``) swaps the live model's parameters
     for plain tensors during forward and backward, so a background ``save_pretrained`` of
     the live model would see no parameters (``model.dtype`` raises ``StopIteration``)."""
-    from torch.distributed.fsdp import FSDPModule
-
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2's FSDP<Class>: <Class>
+    cls = model_class(model)
     with torch.device("meta"):
         twin = cls(copy.deepcopy(model.config))
     twin.to(dtype=dtype)

@@ -33,6 +33,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 from areal_lightning.capture.compiled import live_names
+from areal_lightning.capture.hf_meta import HFMetaRecorder
 from areal_lightning.capture.optimizer_names import by_index, parameter_names
 from areal_lightning.collective import check_shared_storage
 from areal_lightning.commit.generations import resolve
@@ -140,6 +141,7 @@ class RecoverSession:
         self._stop = stop
         self.io, self._trainer_io = recover_io(trainer, io_mode, getattr(store, "storage_options", None))
         self.plan: ResumePlan | None = None
+        self.hf_meta = None if store.remote else HFMetaRecorder(store.layout.trial_dir)
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
         self._resuming = False
         self._held: dict[str, float] = {}
@@ -393,6 +395,8 @@ class RecoverSession:
             if trainer.is_global_zero:
                 self.store.clean_stale()
                 gen = self.store.new_generation(steps)
+                if self.hf_meta is not None:  # what `convert --to hf` needs (written once per trial)
+                    info[CHECKPOINT_INFO]["hf_models"] = self.hf_meta.record(trainer, trainer.lightning_module)
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
         # Every rank writes its shard into the same directory (one collective DCP save); rank

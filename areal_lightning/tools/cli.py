@@ -70,6 +70,15 @@ def _download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from areal_lightning.tools.convert import convert
+
+    out = convert(args.path, args.to, args.out, name=args.name, model_attr=args.model_attr,
+                  hf_config=args.hf_config, weights_only=not args.trusted)
+    print(out)
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from areal_lightning.tools.inspect import run_inspect
 
@@ -116,6 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--experiment", default=None, help="only trials of this experiment")
     insp.add_argument("--trial", default=None, help="only trials with this name")
     insp.set_defaults(func=_inspect)
+    conv = sub.add_parser(
+        "convert", help="write a recover checkpoint as an HF folder or one Lightning checkpoint file",
+        description="Write the recover checkpoint at PATH as the HF folder HFSaverCallback would have exported at "
+                    "its step (--to hf), or as one Lightning checkpoint file for load_from_checkpoint and "
+                    "trainer.fit(ckpt_path=...) (--to lightning). One CPU process, any strategy and world size "
+                    "that wrote it; every item is verified as it is read. Exit code 0: written (its path is "
+                    "printed); 1: the checkpoint is damaged or cannot be converted; 2: usage error.")
+    conv.add_argument("path", help="a fileroot holding one trial, a trial folder "
+                                   "{fileroot}/checkpoints/{user}/{experiment}/{trial}, or a recover_checkpoint/ folder")
+    conv.add_argument("--to", required=True, choices=["hf", "lightning"], help="what to write")
+    conv.add_argument("--out", required=True, help="the folder (hf) or .ckpt file (lightning) to create")
+    conv.add_argument("--name", default="default", help="the model name (HFSaverCallback name=; default: default)")
+    conv.add_argument("--model-attr", default=None,
+                      help="the LightningModule attribute holding the HF model (default: as recorded, else 'model')")
+    conv.add_argument("--hf-config", default=None, metavar="DIR",
+                      help="a folder with config.json and tokenizer files, for a checkpoint that records no HF model")
+    conv.add_argument("--trusted", action="store_true",
+                      help="unpickle the non-tensor state without weights_only (trusted storage only)")
+    conv.set_defaults(func=_convert)
     down = sub.add_parser(
         "download", help="download a committed HF export from an object store (for from_pretrained)",
         description="Download the committed HF export at URI (an export folder, or a model folder: its newest "

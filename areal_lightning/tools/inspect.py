@@ -45,6 +45,7 @@ from areal_lightning.layout import (
     LOCK_FILE,
     RECOVER_CHECKPOINT,
     RECOVER_INFO,
+    RESERVED_NAMES,
     STEP_INFO,
     TMP_PREFIX,
     TrialLayout,
@@ -218,7 +219,7 @@ def inspect_export(path: Path, now: float | None = None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
-def _pending_swap(layout: TrialLayout, name: str) -> tuple[str, Path, Path] | None:
+def pending_swap(layout: TrialLayout, name: str) -> tuple[str, Path, Path] | None:
     """The swap a crash interrupted that the next start finishes (read-only):
     ``(generation, info dir, checkpoint dir)`` of the pair it will use, or ``None``."""
     from areal_lightning.commit.recover_store import RecoverStore
@@ -241,7 +242,7 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
     # A crash inside the four-rename swap: report the pair the next start will roll forward to.
     pending = None
     for name in ckpt_names or [n for n in model_names if n == "default"] or model_names[:1]:
-        pending = _pending_swap(layout, name)
+        pending = pending_swap(layout, name)
         if pending is not None:
             gen, pending_info, pending_ckpt = pending
             store = RecoverStore(layout, name)
@@ -396,7 +397,7 @@ def _lock_holder(trial_dir: Path) -> dict[str, Any] | None:
 
 
 def _is_model_dir(path: Path) -> bool:
-    if not path.is_dir() or path.name.startswith(".") or path.name == RECOVER_INFO:
+    if not path.is_dir() or path.name.startswith(".") or path.name in RESERVED_NAMES:
         return False
     for child in path.iterdir():
         name = child.name
@@ -405,7 +406,7 @@ def _is_model_dir(path: Path) -> bool:
     return False
 
 
-def _layout_of(trial_dir: Path) -> TrialLayout:
+def layout_of(trial_dir: Path) -> TrialLayout:
     trial_dir = Path(os.path.abspath(trial_dir))
     layout = TrialLayout(trial_dir.parents[3] if len(trial_dir.parents) > 3 else Path("/"),
                          trial_dir.parent.parent.name, trial_dir.parent.name, trial_dir.name)
@@ -440,7 +441,7 @@ def inspect_trial(trial_dir: str | os.PathLike[str], verify: bool = False) -> di
     path = Path(trial_dir)
     if not path.is_dir():
         raise InspectUsageError(f"{path} does not exist or is not a folder")
-    layout = _layout_of(path)
+    layout = layout_of(path)
     now = time.time()
     errors: list[str] = []
     warnings: list[str] = []

@@ -598,6 +598,33 @@ def _invalidate(path: Path, *, withdraw_marker: bool = True) -> None:
 # Engine
 
 
+def tensor_entries(path: PathLike, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The saved tensors of a complete checkpoint: flat key -> ``(size, dtype)``, in saved order."""
+    path = check_complete(path, storage_options)
+    try:
+        metadata = reader_of(path, storage_options).read_metadata()
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{path}/{COMMIT_MARKER} is unreadable: {exc!r}") from exc
+    return {fqn: (tuple(md.size), md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+
+
+def read_tensors(path: PathLike, into: Mapping[str, torch.Tensor],
+                 storage_options: Mapping[str, Any] | None = None) -> Read:
+    """Read the tensors saved under the flat keys of ``into`` into those tensors (full size),
+    each item verified against its CRC32C as it is read, without a process group; returns what
+    was read. Only these items are read, one at a time (memory: about the largest item)."""
+    path = check_complete(path, storage_options)
+    reader = reader_of(path, storage_options)
+    try:
+        dcp.load(dict(into), storage_reader=reader, planner=_TemplateLoadPlanner(True, set()), no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        if reader.failure is not None:
+            raise reader.failure from None
+        raise CheckpointCorruptError(f"failed to read checkpoint {path}: {exc!r}") from exc
+    return reader.stats
+
+
 class DCPEngine:
     """Sync/async DCP saves and template loads with one save in flight (see module doc).
 

@@ -1,0 +1,169 @@
+"""Capture: what an HF export of a recover checkpoint needs besides the weights.
+
+A recover checkpoint holds the LightningModule's state dict; ``areal-lightning convert --to hf``
+makes the HF folder an ``HFSaverCallback`` would have written at that step from it. For that,
+each save records, per ``PreTrainedModel`` of the module (those of the run's ``HFSaverCallback``\\ s,
+under their names; else every ``PreTrainedModel`` attribute of the module), in
+``checkpoint_info.json``'s ``hf_models``: the attribute, the model class, the state-dict prefix,
+``max_shard_size``, and a folder ``{trial}/recover_hf/{digest}/`` with ``config.json``,
+``generation_config.json`` and the tokenizer files. The folder is named by the digest of its
+files, so it is written once per trial unless the config or the tokenizer change (and a
+resumed run finds it written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_lightning.capture.compiled import plain_name, uncompiled
+from areal_lightning.capture.hf_weights import model_class
+from areal_lightning.commit.atomic import write_json
+from areal_lightning.layout import RECOVER_HF, tmp_sibling
+from areal_lightning.write.durable import fsync_dir
+
+__all__ = ["HFModelEntry", "hf_models_of", "HFMetaRecorder", "MODEL_FILE", "recorded_model"]
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "areal_model.json"
+"""In a ``recover_hf/{digest}/`` folder: the model class (and the fields an export needs)."""
+
+
+@dataclass
+class HFModelEntry:
+    """One ``PreTrainedModel`` of the module: its export name, attribute and state-dict prefix."""
+
+    name: str
+    attr: str | None
+    model: Any
+    tokenizer: Any
+    prefix: str
+    max_shard_size: int | str
+
+
+def _is_pretrained(model: Any) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _prefix(module: torch.nn.Module, model: Any) -> str | None:
+    """The state-dict prefix of ``model`` inside ``module`` (``model.``), ``None`` if not inside."""
+    for name, sub in module.named_modules():
+        if sub is model:
+            return plain_name(name) + "." if name else ""
+    return None
+
+
+def hf_models_of(trainer: Any, module: torch.nn.Module) -> list[HFModelEntry]:
+    """The ``PreTrainedModel``\\ s of ``module`` an export can be made of (module doc). PEFT
+    models are left out (their exports need the adapter configuration: ``HFSaverCallback``)."""
+    from areal_lightning.lightning.hf_saver import HFSaverCallback
+    from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE
+
+    entries: list[HFModelEntry] = []
+    savers = [cb for cb in trainer.callbacks if isinstance(cb, HFSaverCallback)]
+    for cb in savers:
+        try:
+            model = uncompiled(cb.resolve_model(module))
+        except Exception:  # noqa: BLE001 - the callback reports its own errors at its exports
+            continue
+        prefix = _prefix(module, model)
+        if _is_pretrained(model) and prefix is not None:
+            attr = cb.model_attr if isinstance(cb.model_attr, str) else None
+            entries.append(HFModelEntry(cb.name, attr, model, cb.resolve_tokenizer(module), prefix,
+                                        cb.max_shard_size))
+    if savers:
+        return entries
+    for attr, child in module.named_children():
+        model = uncompiled(child)
+        if _is_pretrained(model):
+            name = "default" if attr == "model" else attr
+            tokenizer = getattr(module, "tokenizer", None) if name == "default" else None
+            entries.append(HFModelEntry(name, attr, model, tokenizer, plain_name(attr) + ".", DEFAULT_MAX_SHARD_SIZE))
+    return entries
+
+
+def _write_files(entry: HFModelEntry, folder: Path) -> None:
+    model = entry.model
+    model.config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
+        generation.save_pretrained(folder)
+    if entry.tokenizer is not None:
+        entry.tokenizer.save_pretrained(folder)
+    cls = model_class(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    write_json(folder / MODEL_FILE, {"class": f"{cls.__module__}.{cls.__qualname__}",
+                                     "dtype": str(dtype).removeprefix("torch.")})
+
+
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+class HFMetaRecorder:
+    """Writes the ``recover_hf/{digest}/`` folders of a trial (rank 0) and describes them."""
+
+    def __init__(self, trial_dir: Path) -> None:
+        self.root = Path(trial_dir) / RECOVER_HF
+        self._known: dict[str, tuple[Any, str]] = {}  # name -> (what was recorded, its digest)
+
+    def record(self, trainer: Any, module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+        """``checkpoint_info.json``'s ``hf_models`` for a save taken now; writes new folders."""
+        described: dict[str, dict[str, Any]] = {}
+        for entry in hf_models_of(trainer, module):
+            key = (entry.model.config.to_json_string(), id(entry.tokenizer),
+                   len(entry.tokenizer) if entry.tokenizer is not None else None)
+            known = self._known.get(entry.name)
+            digest = known[1] if known is not None and known[0] == key else self._write(entry)
+            self._known[entry.name] = (key, digest)
+            described[entry.name] = {"attr": entry.attr, "prefix": entry.prefix,
+                                     "max_shard_size": entry.max_shard_size,
+                                     "files": f"{RECOVER_HF}/{digest}"}
+        return described
+
+    def _write(self, entry: HFModelEntry) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_sibling(self.root / entry.name)
+        tmp.mkdir()
+        try:
+            _write_files(entry, tmp)
+            digest = _digest(tmp)
+            final = self.root / digest
+            if final.is_dir():  # recorded by an earlier run of the trial
+                shutil.rmtree(tmp)
+            else:
+                os.rename(tmp, final)
+                fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.debug("RecoverCallback: HF config and tokenizer of %r in %s", entry.name, final)
+        return digest
+
+
+def recorded_model(folder: Path) -> tuple[type, torch.dtype]:
+    """The model class and parameter dtype recorded in ``folder`` (``areal_model.json``)."""
+    import importlib
+
+    recorded = json.loads((Path(folder) / MODEL_FILE).read_text())
+    module, _, name = recorded["class"].rpartition(".")
+    cls: Any = importlib.import_module(module)
+    for part in name.split("."):
+        cls = getattr(cls, part)
+    return cls, getattr(torch, recorded["dtype"])

@@ -1,0 +1,274 @@
+"""Tools: a recover checkpoint as an HF folder or as one Lightning checkpoint file.
+
+``areal-lightning convert PATH --to hf --out DIR`` writes the HF folder an ``HFSaverCallback`` would
+have exported at the checkpoint's step (the same ``save_pretrained`` on a parameter-less twin of
+the model, built from the config and class ``RecoverCallback`` recorded: see
+:mod:`areal_lightning.capture.hf_meta`; the tokenizer files as recorded). ``--to lightning --out
+FILE.ckpt`` writes the checkpoint dict ``TorchCheckpointIO`` writes, optimizer states keyed by
+position, for ``MyModule.load_from_checkpoint`` and ``trainer.fit(model, ckpt_path=FILE)``.
+
+Both run on one CPU process without a process group, whatever strategy and world size wrote the
+checkpoint: each tensor is read whole (from every rank's shard), verified against its CRC32C,
+into a memory map of a scratch file beside the output (unlinked at once), so the process's own
+memory holds about one tensor at a time plus what the writer buffers (``save_pretrained``: one
+safetensors shard, ``max_shard_size``). The output is written under a temporary name and
+renamed into place when complete; an existing non-empty output is never overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from areal_lightning.capture.hf_meta import MODEL_FILE, recorded_model
+from areal_lightning.capture.optimizer_names import is_by_name
+from areal_lightning.errors import AreaLightningError, ConfigError
+from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, RECOVER_CHECKPOINT, TMP_PREFIX
+from areal_lightning.write.durable import fsync_dir
+
+__all__ = ["convert", "CONVERT_TARGETS", "ConvertError"]
+
+log = logging.getLogger(__name__)
+
+CONVERT_TARGETS = ("hf", "lightning")
+"""What ``convert`` writes: an HF model folder, or one Lightning checkpoint file."""
+
+_NOT_TOKENIZER = {"config.json", "generation_config.json", MODEL_FILE}
+_ALIGN = 64
+
+
+class ConvertError(AreaLightningError, ValueError):
+    """``convert`` cannot make the output from what it was given (the message says why and what to pass)."""
+
+
+@dataclass
+class _Source:
+    ckpt_dir: Path
+    trial_dir: Path | None
+    info: dict[str, dict[str, Any]]
+
+
+def _source(path: str | os.PathLike[str], name: str) -> _Source:
+    """The recover checkpoint at ``path``: a ``recover_checkpoint/`` folder, a trial folder, or a
+    fileroot (or folder below it) holding exactly one trial; checked against its manifest."""
+    from areal_lightning.commit.recover_store import RecoverStore, check_info
+    from areal_lightning.tools.inspect import find_trials, layout_of, pending_swap
+
+    given = Path(path)
+    if (given / COMMIT_MARKER).is_file():
+        trial = given.parent.parent if given.name == RECOVER_CHECKPOINT else None
+        name = given.parent.name if trial is not None else name
+        if trial is None or not (trial / "recover_info").is_dir():
+            return _Source(given, None, {})
+        trials = [trial]
+    else:
+        if not given.is_dir():
+            raise ConvertError(f"{given} does not exist")
+        trials = find_trials(given)
+        if len(trials) != 1:
+            found = ", ".join(str(t) for t in trials[:5]) or "none"
+            raise ConvertError(f"{given} holds {len(trials)} trials ({found}); pass one trial folder "
+                               "{fileroot}/checkpoints/{user}/{experiment}/{trial} or its recover_checkpoint/")
+    layout = layout_of(trials[0])
+    store = RecoverStore(layout, name)
+    pending = pending_swap(layout, name)
+    if pending is not None:  # a crash inside the swap: the pair the next start rolls forward to
+        _gen, store.info_dir, store.ckpt_dir = pending
+    if not store.exists() and pending is None:
+        raise ConvertError(f"{layout.trial_dir} has no recover checkpoint of model {name!r} "
+                           f"({store.ckpt_dir} with {store.info_dir})")
+    info = check_info(store.read_info(), store.info_dir)
+    store.verify(info[CHECKPOINT_INFO], data=None)  # presence, sizes, .metadata; items as they are read
+    return _Source(store.ckpt_dir, layout.trial_dir, info)
+
+
+def _mapped(entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]], scratch: Path) -> dict[str, torch.Tensor]:
+    """Zero tensors of the given sizes in shared memory maps of scratch files (one per dtype, as
+    ``torch.save`` wants one type per storage), unlinked at once: the pages are the page cache's,
+    written back to the disk under memory pressure rather than held by the process."""
+    out: dict[str, torch.Tensor] = {}
+    for dtype in dict.fromkeys(dtype for _size, dtype in entries.values()):
+        group = {key: size for key, (size, d) in entries.items() if d == dtype}
+        offsets, total = {}, 0
+        for key, size in group.items():
+            offsets[key] = total
+            total += -(-max(torch.Size(size).numel(), 1) * dtype.itemsize // _ALIGN) * _ALIGN // dtype.itemsize
+        path = scratch.with_name(f"{scratch.name}-{str(dtype).removeprefix('torch.')}")
+        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=max(total * dtype.itemsize, _ALIGN))
+        path.unlink()
+        out.update({key: torch.empty(0, dtype=dtype).set_(storage, offsets[key], size) for key, size in group.items()})
+    return {key: out[key] for key in entries}
+
+
+def _fresh_output(out: Path) -> Path:
+    """``out``'s temporary sibling; refuses an existing non-empty ``out``."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConvertError(f"{out} already exists; give a new path (nothing was written)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out.parent / f"{TMP_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    if out.is_dir():
+        out.rmdir()  # empty (checked before writing)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+
+
+def _hf_model(source: _Source, name: str, model_attr: str | None,
+              hf_config: str | os.PathLike[str] | None) -> tuple[Any, str, Path, int | str]:
+    """The parameter-less model to write with, the state-dict prefix of its weights, the folder of
+    its config and tokenizer files, and ``max_shard_size``."""
+    from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE
+
+    recorded = source.info.get(CHECKPOINT_INFO, {}).get("hf_models", {})
+    if hf_config is not None:
+        from transformers import AutoConfig
+
+        files = Path(hf_config)
+        if not (files / "config.json").is_file():
+            raise ConfigError("hf_config", f"{files} has no config.json (a folder as save_pretrained writes it)")
+        config = AutoConfig.from_pretrained(files)
+        if (files / MODEL_FILE).is_file():
+            cls, dtype = recorded_model(files)
+        else:
+            import transformers
+
+            arch = (config.architectures or [None])[0]
+            cls = getattr(transformers, arch, None) if arch else None
+            if cls is None:
+                raise ConfigError("hf_config", f"{files / 'config.json'} names no model class transformers has "
+                                  f"(architectures={config.architectures!r})")
+            dtype = None
+        prefix = f"{model_attr or (recorded.get(name, {}).get('attr')) or 'model'}."
+        max_shard = recorded.get(name, {}).get("max_shard_size", DEFAULT_MAX_SHARD_SIZE)
+    elif name in recorded:
+        entry = recorded[name]
+        files = source.trial_dir / entry["files"]  # type: ignore[operator]
+        cls, dtype = recorded_model(files)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(files)
+        prefix = f"{model_attr}." if model_attr else entry["prefix"]
+        max_shard = entry["max_shard_size"]
+    else:
+        where = f"{source.trial_dir}/recover_info/{CHECKPOINT_INFO}" if source.trial_dir else str(source.ckpt_dir)
+        raise ConvertError(
+            f"{where} records no HF model named {name!r} (recorded: {sorted(recorded) or 'none'}: the run had no "
+            "HFSaverCallback of that name and no PreTrainedModel attribute, or it was written before 0.2.0). Pass "
+            "hf_config (--hf-config DIR: a folder with the model's config.json and tokenizer files) and model_attr "
+            "(--model-attr ATTR: the LightningModule attribute holding the model)")
+    with torch.device("meta"):
+        model = cls(config)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    if (files / "generation_config.json").is_file() and getattr(model, "generation_config", None) is not None:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(files)
+    return model, prefix, files, max_shard
+
+
+def _to_hf(source: _Source, out: Path, name: str, model_attr: str | None,
+           hf_config: str | os.PathLike[str] | None) -> None:
+    from areal_lightning.write.dcp import read_tensors, tensor_entries
+    from areal_lightning.write.hf import write_hf
+
+    model, prefix, files, max_shard = _hf_model(source, name, model_attr, hf_config)
+    head = f"state_dict.{prefix}"
+    entries = {key: value for key, value in tensor_entries(source.ckpt_dir).items() if key.startswith(head)}
+    if not entries:
+        some = sorted(k[len("state_dict."):] for k in tensor_entries(source.ckpt_dir) if k.startswith("state_dict."))
+        raise ConvertError(f"{source.ckpt_dir} holds no weights under {prefix!r} (model keys: {some[:4]} ...); "
+                           "pass model_attr (--model-attr) naming the attribute that holds the model")
+    tmp = _fresh_output(out)
+    tmp.mkdir()
+    try:
+        tensors = _mapped(entries, tmp.parent / f"{TMP_PREFIX}{out.name}-scratch-{uuid.uuid4().hex[:8]}")
+        read = read_tensors(source.ckpt_dir, tensors)
+        state = {key[len(head):]: tensor for key, tensor in tensors.items()}
+        write_hf(model, tmp, None, state_dict=state, max_shard_size=max_shard)
+        for item in sorted(files.iterdir()):
+            if item.is_file() and item.name not in _NOT_TOKENIZER:
+                shutil.copyfile(item, tmp / item.name)  # the tokenizer files, as its save_pretrained wrote them
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("convert: %s -> %s (%d tensors, %.1f MB read and verified)", source.ckpt_dir, out, len(state),
+             read.nbytes / 1e6)
+
+
+def _positional(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name in ``Optimizer.state_dict()``'s positional form
+    (positions in the order of the saved groups' parameter lists, the optimizer's own order)."""
+    if not is_by_name(state):
+        return state
+    index_of = {fqn: i for i, fqn in enumerate(p for group in state["param_groups"] for p in group["params"])}
+    return {**state, "state": {index_of[fqn]: value for fqn, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index_of[p] for p in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _to_lightning(source: _Source, out: Path, weights_only: bool) -> None:
+    from areal_lightning.write.dcp import DCPEngine, tensor_entries
+
+    if out.exists():
+        raise ConvertError(f"{out} already exists; give a new path (nothing was written)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f"{TMP_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tensors = _mapped(tensor_entries(source.ckpt_dir), out.parent / f"{tmp.name}-scratch")
+        checkpoint = DCPEngine().load(source.ckpt_dir, template=tensors, weights_only=weights_only)
+        checkpoint["optimizer_states"] = [_positional(s) for s in checkpoint.get("optimizer_states", [])]
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info("convert: %s -> %s (Lightning checkpoint of global step %s)", source.ckpt_dir, out,
+             checkpoint.get("global_step"))
+
+
+def convert(path: str | os.PathLike[str], to: str, out: str | os.PathLike[str], *, name: str = "default",
+            model_attr: str | None = None, hf_config: str | os.PathLike[str] | None = None,
+            weights_only: bool = True) -> Path:
+    """Write the recover checkpoint at ``path`` as an HF folder (``to="hf"``) or one Lightning
+    checkpoint file (``to="lightning"``) at ``out``; returns ``out``.
+
+    Args:
+        path: a fileroot holding one trial, a trial folder, or a ``recover_checkpoint/`` folder.
+        to: one of :data:`CONVERT_TARGETS`.
+        out: the folder (``hf``) or file (``lightning``) to create; must not exist (or be empty).
+        name: the model name (``HFSaverCallback(name=...)``) whose recover checkpoint and HF
+            model are converted; ``"default"`` unless the run named it.
+        model_attr: the LightningModule attribute holding the HF model, where the checkpoint
+            records none or another one is wanted (e.g. ``"critic"``).
+        hf_config: a folder with ``config.json`` (and tokenizer files) for a checkpoint that
+            records no HF model (written before 0.2.0, or a model no callback knew).
+        weights_only: unpickle the checkpoint's non-tensor state with ``weights_only`` (pass
+            ``False`` only for checkpoints from trusted storage that hold other objects).
+
+    Example:
+        >>> convert("runs/checkpoints/me/exp/trial0", "hf", "export/step1000")  # doctest: +SKIP
+    """
+    if to not in CONVERT_TARGETS:
+        raise ConfigError("to", f"unknown target {to!r}; allowed: {', '.join(CONVERT_TARGETS)}")
+    source = _source(path, name)
+    target = Path(out)
+    if to == "hf":
+        _to_hf(source, target, name, model_attr, hf_config)
+    else:
+        _to_lightning(source, target, weights_only)
+    return target
