@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import LMModule, make_trainer, tiny_gpt2, tiny_llama, token_loader
 from test_recover_e2e import REPO, assert_exact, losses_by_step, train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recover_trial_v0_1_0"
@@ -155,3 +157,66 @@ def test_convert_refuses_bad_input_naming_what_to_pass_and_writes_nothing(tmp_pa
     out = convert(tmp_path / "run", "lightning", tmp_path / "old.ckpt")
     checkpoint = torch.load(out, weights_only=True)
     assert checkpoint["global_step"] == 4 and set(checkpoint["optimizer_states"][0]["state"]) == {0, 1, 2, 3}
+
+
+class _ActorCritic(pl.LightningModule):
+    """An RL-style module: a Llama policy (``model``) and a GPT-2 critic with tied embeddings."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__()
+        self.model, self.critic, self.tokenizer = tiny_llama(), tiny_gpt2(), tokenizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss + self.critic(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _newest_export(folder: Path) -> Path:
+    from areal_lightning.layout import parse_export_name
+
+    return max((p for p in folder.iterdir() if parse_export_name(p.name)),
+               key=lambda p: parse_export_name(p.name).global_step)
+
+
+def _same_files(a: Path, b: Path) -> None:
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in b.iterdir():
+        assert (a / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+def test_convert_of_an_actor_and_its_critic_each_equals_its_export(tmp_path, tokenizer) -> None:
+    from areal_lightning import HFSaverCallback, RecoverCallback, convert
+
+    common = dict(fileroot=str(tmp_path), experiment_name="exp", trial_name="t", user="u", freq_steps=4)
+    callbacks = [HFSaverCallback(**common), HFSaverCallback(**common, name="critic", model_attr="critic"),
+                 RecoverCallback(**common)]
+    make_trainer(callbacks, max_epochs=1).fit(_ActorCritic(tokenizer), token_loader())
+    trial = tmp_path / TRIAL
+    for name in ("default", "critic"):
+        _same_files(convert(trial, "hf", tmp_path / "out" / name, name=name), _newest_export(trial / name))
+    recorded = json.loads((trial / "recover_info" / "checkpoint_info.json").read_text())["hf_models"]
+    assert {name: entry["prefix"] for name, entry in recorded.items()} == {"default": "model.", "critic": "critic."}
+    assert len(list((trial / "recover_hf").iterdir())) == 2  # written once each, not at every save
+    # a model the checkpoint records under no name: its config folder and attribute given
+    critic_export = _newest_export(trial / "critic")
+    out = convert(trial / "default" / "recover_checkpoint", "hf", tmp_path / "given", model_attr="critic",
+                  hf_config=critic_export)
+    _same_files(out, critic_export)
+
+
+def test_convert_without_an_hf_callback_finds_the_modules_pretrained_model(tmp_path, tokenizer) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_lightning import RecoverCallback, convert
+
+    module = LMModule(tiny_llama(), tokenizer)
+    recover = RecoverCallback(fileroot=str(tmp_path), experiment_name="exp", trial_name="t", user="u", freq_steps=4)
+    make_trainer([recover], max_epochs=1).fit(module, token_loader())
+    out = convert(tmp_path, "hf", tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    for key, tensor in module.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor), key
+    assert AutoTokenizer.from_pretrained(out)("1 + 2").input_ids == tokenizer("1 + 2").input_ids

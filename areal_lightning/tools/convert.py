@@ -55,16 +55,16 @@ class _Source:
     info: dict[str, dict[str, Any]]
 
 
-def _source(path: str | os.PathLike[str], name: str) -> _Source:
+def _source(path: str | os.PathLike[str]) -> _Source:
     """The recover checkpoint at ``path``: a ``recover_checkpoint/`` folder, a trial folder, or a
-    fileroot (or folder below it) holding exactly one trial; checked against its manifest."""
+    fileroot (or folder below it) holding exactly one trial; checked against its manifest. (A
+    trial has one, in the folder of the ``RecoverCallback``'s name, ``default/`` unless named.)"""
     from areal_lightning.commit.recover_store import RecoverStore, check_info
     from areal_lightning.tools.inspect import find_trials, layout_of, pending_swap
 
     given = Path(path)
     if (given / COMMIT_MARKER).is_file():
         trial = given.parent.parent if given.name == RECOVER_CHECKPOINT else None
-        name = given.parent.name if trial is not None else name
         if trial is None or not (trial / "recover_info").is_dir():
             return _Source(given, None, {})
         trials = [trial]
@@ -77,13 +77,14 @@ def _source(path: str | os.PathLike[str], name: str) -> _Source:
             raise ConvertError(f"{given} holds {len(trials)} trials ({found}); pass one trial folder "
                                "{fileroot}/checkpoints/{user}/{experiment}/{trial} or its recover_checkpoint/")
     layout = layout_of(trials[0])
+    folders = sorted(p.name for p in layout.trial_dir.iterdir() if (p / RECOVER_CHECKPOINT).is_dir())
+    name = "default" if "default" in folders or not folders else folders[0]
     store = RecoverStore(layout, name)
     pending = pending_swap(layout, name)
     if pending is not None:  # a crash inside the swap: the pair the next start rolls forward to
         _gen, store.info_dir, store.ckpt_dir = pending
     if not store.exists() and pending is None:
-        raise ConvertError(f"{layout.trial_dir} has no recover checkpoint of model {name!r} "
-                           f"({store.ckpt_dir} with {store.info_dir})")
+        raise ConvertError(f"{layout.trial_dir} has no recover checkpoint ({store.ckpt_dir} with {store.info_dir})")
     info = check_info(store.read_info(), store.info_dir)
     store.verify(info[CHECKPOINT_INFO], data=None)  # presence, sizes, .metadata; items as they are read
     return _Source(store.ckpt_dir, layout.trial_dir, info)
@@ -176,6 +177,20 @@ def _hf_model(source: _Source, name: str, model_attr: str | None,
     return model, prefix, files, max_shard
 
 
+def _tied(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with the names of one tied parameter (GPT-2's ``lm_head.weight`` and
+    ``transformer.wte.weight``) on one tensor, as in the live model: ``save_pretrained`` writes a
+    tied weight once, as it does for the live model's export."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for group in names.values():
+        present = [name for name in group if name in state]
+        for name in present[1:]:
+            state[name] = state[present[0]]
+    return state
+
+
 def _to_hf(source: _Source, out: Path, name: str, model_attr: str | None,
            hf_config: str | os.PathLike[str] | None) -> None:
     from areal_lightning.write.dcp import read_tensors, tensor_entries
@@ -193,7 +208,7 @@ def _to_hf(source: _Source, out: Path, name: str, model_attr: str | None,
     try:
         tensors = _mapped(entries, tmp.parent / f"{TMP_PREFIX}{out.name}-scratch-{uuid.uuid4().hex[:8]}")
         read = read_tensors(source.ckpt_dir, tensors)
-        state = {key[len(head):]: tensor for key, tensor in tensors.items()}
+        state = _tied(model, {key[len(head):]: tensor for key, tensor in tensors.items()})
         write_hf(model, tmp, None, state_dict=state, max_shard_size=max_shard)
         for item in sorted(files.iterdir()):
             if item.is_file() and item.name not in _NOT_TOKENIZER:
@@ -251,8 +266,8 @@ def convert(path: str | os.PathLike[str], to: str, out: str | os.PathLike[str], 
         path: a fileroot holding one trial, a trial folder, or a ``recover_checkpoint/`` folder.
         to: one of :data:`CONVERT_TARGETS`.
         out: the folder (``hf``) or file (``lightning``) to create; must not exist (or be empty).
-        name: the model name (``HFSaverCallback(name=...)``) whose recover checkpoint and HF
-            model are converted; ``"default"`` unless the run named it.
+        name: the HF model to write (``HFSaverCallback(name=...)``, e.g. ``"critic"``);
+            ``"default"``: the one of ``HFSaverCallback()`` or the module's ``model`` attribute.
         model_attr: the LightningModule attribute holding the HF model, where the checkpoint
             records none or another one is wanted (e.g. ``"critic"``).
         hf_config: a folder with ``config.json`` (and tokenizer files) for a checkpoint that
@@ -265,7 +280,7 @@ def convert(path: str | os.PathLike[str], to: str, out: str | os.PathLike[str], 
     """
     if to not in CONVERT_TARGETS:
         raise ConfigError("to", f"unknown target {to!r}; allowed: {', '.join(CONVERT_TARGETS)}")
-    source = _source(path, name)
+    source = _source(path)
     target = Path(out)
     if to == "hf":
         _to_hf(source, target, name, model_attr, hf_config)
