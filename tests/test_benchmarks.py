@@ -47,3 +47,16 @@ def test_objectstore_benchmark_runs_against_its_moto_server_and_writes_its_json(
                                                      "fsspec_load", "ours_load"]
     assert all(r["blocked_s"] > 0 for r in doc["results"])
     assert "ratios against torch's FsspecWriter / FsspecReader" in proc.stdout
+
+
+def test_convert_benchmark_runs_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "convert.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "convert.py"), "--hidden", "64", "--layers", "1",
+                           "--vocab", "512", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert [r["method"] for r in doc["results"]] == ["convert_hf", "convert_lightning", "load_all_save_pretrained",
+                                                     "load_all_torch_save"]
+    assert all(r["wall_s"] > 0 and r["peak_rss_mb"] >= 0 for r in doc["results"])
+    assert doc["sizes"]["checkpoint_mb"] > doc["sizes"]["weights_mb"] > doc["sizes"]["largest_tensor_mb"] > 0
+    assert "peak anon MB" in proc.stdout

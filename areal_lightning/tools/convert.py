@@ -241,7 +241,7 @@ def _to_lightning(source: _Source, out: Path, weights_only: bool) -> None:
     tmp = out.parent / f"{TMP_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
     try:
         tensors = _mapped(tensor_entries(source.ckpt_dir), out.parent / f"{tmp.name}-scratch")
-        checkpoint = DCPEngine().load(source.ckpt_dir, template=tensors, weights_only=weights_only)
+        checkpoint = DCPEngine().load(source.ckpt_dir, template=tensors, weights_only=weights_only, read_threads=1)
         checkpoint["optimizer_states"] = [_positional(s) for s in checkpoint.get("optimizer_states", [])]
         with open(tmp, "wb") as f:
             torch.save(checkpoint, f)

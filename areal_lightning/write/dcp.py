@@ -470,6 +470,7 @@ class _AdoptingReader(FileSystemReader):
         super().__init__(*args, **kwargs)
         self.stats = Read()
         self.failure: CheckpointCorruptError | None = None
+        self.threads = _READ_THREADS  # files read at once (1: one item's buffers at a time)
 
     def _read_file(self, relative_path: str, entries: list[tuple[Any, ReadItem]], planner: LoadPlanner) -> Read:
         """Read, verify and load the items of one file, in offset order."""
@@ -506,7 +507,7 @@ class _AdoptingReader(FileSystemReader):
         for info, item in zip(infos, plan.items):
             per_file.setdefault(info.relative_path, []).append((info, item))
         # The files are read in parallel (reads and CRCs release the GIL), each in offset order.
-        with ThreadPoolExecutor(min(len(per_file), _READ_THREADS) or 1, thread_name_prefix="areal-dcp-read") as pool:
+        with ThreadPoolExecutor(min(len(per_file), self.threads) or 1, thread_name_prefix="areal-dcp-read") as pool:
             jobs = [pool.submit(self._read_file, name, entries, planner) for name, entries in per_file.items()]
             for job in jobs:
                 stats = job.result()
@@ -540,10 +541,13 @@ def _then(upload: Future, then: Callable[[Written], None] | None, what: str, wri
     return done
 
 
-def reader_of(path: PathLike, storage_options: Mapping[str, Any] | None = None) -> "_AdoptingReader":
-    """This engine's DCP reader of the checkpoint at ``path`` (a local folder or an object-store prefix)."""
+def reader_of(path: PathLike, storage_options: Mapping[str, Any] | None = None,
+              threads: int = _READ_THREADS) -> "_AdoptingReader":
+    """This engine's DCP reader of the checkpoint at ``path`` (a local folder or an object-store
+    prefix), reading ``threads`` files at once."""
     path = location(path)
     reader = _AdoptingReader(path)
+    reader.threads = threads
     if isinstance(path, str):
         _on_object_store(reader, path, storage_options or {})
     return reader
@@ -613,9 +617,10 @@ def read_tensors(path: PathLike, into: Mapping[str, torch.Tensor],
                  storage_options: Mapping[str, Any] | None = None) -> Read:
     """Read the tensors saved under the flat keys of ``into`` into those tensors (full size),
     each item verified against its CRC32C as it is read, without a process group; returns what
-    was read. Only these items are read, one at a time (memory: about the largest item)."""
+    was read. Only these items are read, one at a time (memory: about twice the largest item,
+    its bytes and their decoded tensor, besides ``into``)."""
     path = check_complete(path, storage_options)
-    reader = reader_of(path, storage_options)
+    reader = reader_of(path, storage_options, threads=1)
     try:
         dcp.load(dict(into), storage_reader=reader, planner=_TemplateLoadPlanner(True, set()), no_dist=True)
     except (Exception, CheckpointException) as exc:
@@ -802,16 +807,18 @@ class DCPEngine:
         *,
         template: Mapping[str, Any] | None = None,
         weights_only: bool | None = None,
+        read_threads: int = _READ_THREADS,
     ) -> dict[str, Any]:
         """Read the checkpoint at ``path`` back into its saved structure.
 
         Waits for an in-flight save first (its failure stays stored for the next save).
         ``template``: optional nested dict whose tensors (by dotted path) are loaded in
         place; all other tensors are allocated on CPU from the saved metadata.
-        ``weights_only`` is applied to the skeleton as ``torch.load`` would."""
+        ``weights_only`` is applied to the skeleton as ``torch.load`` would. ``read_threads``:
+        files read at once (1 bounds the memory of the read buffers to one item's)."""
         self.join(path)  # also another engine of this process still writing it
         path = check_complete(path, self.storage_options)
-        reader = reader_of(path, self.storage_options)
+        reader = reader_of(path, self.storage_options, threads=read_threads)
         try:
             metadata = reader.read_metadata()
         except Exception as exc:
