@@ -2,8 +2,8 @@
 
 A recover checkpoint holds the LightningModule's state dict; ``areal-lightning convert --to hf``
 makes the HF folder an ``HFSaverCallback`` would have written at that step from it. For that,
-each save records, per ``PreTrainedModel`` of the module (those of the run's ``HFSaverCallback``\\ s,
-under their names; else every ``PreTrainedModel`` attribute of the module), in
+each save records, per ``PreTrainedModel`` of the module (which ones: the Lightning glue's
+``hf_models_of`` in :mod:`areal_lightning.lightning.recover_state`), in
 ``checkpoint_info.json``'s ``hf_models``: the attribute, the model class, the state-dict prefix,
 ``max_shard_size``, and a folder ``{trial}/recover_hf/{digest}/`` with ``config.json``,
 ``generation_config.json`` and the tokenizer files. The folder is named by the digest of its
@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from areal_lightning.capture.compiled import plain_name, uncompiled
+from areal_lightning.capture.compiled import plain_name
 from areal_lightning.capture.hf_weights import model_class
 from areal_lightning.commit.atomic import write_json
 from areal_lightning.layout import RECOVER_HF, tmp_sibling
 from areal_lightning.write.durable import fsync_dir
 
-__all__ = ["HFModelEntry", "hf_models_of", "HFMetaRecorder", "MODEL_FILE", "recorded_model"]
+__all__ = ["HFModelEntry", "HFMetaRecorder", "MODEL_FILE", "recorded_model", "is_pretrained", "state_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class HFModelEntry:
     max_shard_size: int | str
 
 
-def _is_pretrained(model: Any) -> bool:
+def is_pretrained(model: Any) -> bool:
+    """Whether ``model`` is a ``transformers.PreTrainedModel``."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -58,41 +59,12 @@ def _is_pretrained(model: Any) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def _prefix(module: torch.nn.Module, model: Any) -> str | None:
+def state_prefix(module: torch.nn.Module, model: Any) -> str | None:
     """The state-dict prefix of ``model`` inside ``module`` (``model.``), ``None`` if not inside."""
     for name, sub in module.named_modules():
         if sub is model:
             return plain_name(name) + "." if name else ""
     return None
-
-
-def hf_models_of(trainer: Any, module: torch.nn.Module) -> list[HFModelEntry]:
-    """The ``PreTrainedModel``\\ s of ``module`` an export can be made of (module doc). PEFT
-    models are left out (their exports need the adapter configuration: ``HFSaverCallback``)."""
-    from areal_lightning.lightning.hf_saver import HFSaverCallback
-    from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE
-
-    entries: list[HFModelEntry] = []
-    savers = [cb for cb in trainer.callbacks if isinstance(cb, HFSaverCallback)]
-    for cb in savers:
-        try:
-            model = uncompiled(cb.resolve_model(module))
-        except Exception:  # noqa: BLE001 - the callback reports its own errors at its exports
-            continue
-        prefix = _prefix(module, model)
-        if _is_pretrained(model) and prefix is not None:
-            attr = cb.model_attr if isinstance(cb.model_attr, str) else None
-            entries.append(HFModelEntry(cb.name, attr, model, cb.resolve_tokenizer(module), prefix,
-                                        cb.max_shard_size))
-    if savers:
-        return entries
-    for attr, child in module.named_children():
-        model = uncompiled(child)
-        if _is_pretrained(model):
-            name = "default" if attr == "model" else attr
-            tokenizer = getattr(module, "tokenizer", None) if name == "default" else None
-            entries.append(HFModelEntry(name, attr, model, tokenizer, plain_name(attr) + ".", DEFAULT_MAX_SHARD_SIZE))
-    return entries
 
 
 def _write_files(entry: HFModelEntry, folder: Path) -> None:
@@ -123,10 +95,10 @@ class HFMetaRecorder:
         self.root = Path(trial_dir) / RECOVER_HF
         self._known: dict[str, tuple[Any, str]] = {}  # name -> (what was recorded, its digest)
 
-    def record(self, trainer: Any, module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    def record(self, entries: list[HFModelEntry]) -> dict[str, dict[str, Any]]:
         """``checkpoint_info.json``'s ``hf_models`` for a save taken now; writes new folders."""
         described: dict[str, dict[str, Any]] = {}
-        for entry in hf_models_of(trainer, module):
+        for entry in entries:
             key = (entry.model.config.to_json_string(), id(entry.tokenizer),
                    len(entry.tokenizer) if entry.tokenizer is not None else None)
             known = self._known.get(entry.name)

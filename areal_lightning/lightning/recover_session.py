@@ -60,6 +60,7 @@ from areal_lightning.lightning.recover_state import (
     RecoverState,
     at_epoch_boundary,
     describe,
+    hf_models_of,
     step_info,
 )
 from areal_lightning.objectstore import is_remote, probe, retries
@@ -396,7 +397,7 @@ class RecoverSession:
                 self.store.clean_stale()
                 gen = self.store.new_generation(steps)
                 if self.hf_meta is not None:  # what `convert --to hf` needs (written once per trial)
-                    info[CHECKPOINT_INFO]["hf_models"] = self.hf_meta.record(trainer, trainer.lightning_module)
+                    info[CHECKPOINT_INFO]["hf_models"] = self.hf_meta.record(hf_models_of(trainer, trainer.lightning_module))
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
         # Every rank writes its shard into the same directory (one collective DCP save); rank

@@ -17,7 +17,8 @@ from typing import Any, Iterator
 
 import torch
 
-from areal_lightning.capture.compiled import plain_name
+from areal_lightning.capture.compiled import plain_name, uncompiled
+from areal_lightning.capture.hf_meta import HFModelEntry, is_pretrained, state_prefix
 from areal_lightning.capture.loader import (
     LoaderTracker,
     is_stateful_loader,
@@ -51,7 +52,7 @@ SAVE_POINTS = ("step_end", "epoch_end")
 """Where the callback's saves are taken: after everything Lightning runs for a step that is not
 its epoch's last (``step_end``), or after the epoch's end as well (``epoch_end``)."""
 
-__all__ = ["SAVE_POINTS", "RecoverState", "optimizer_keys", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
+__all__ = ["SAVE_POINTS", "RecoverState", "optimizer_keys", "hf_models_of", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
            "at_epoch_boundary", "step_info"]
 
 
@@ -313,6 +314,37 @@ def _versions() -> dict[str, str]:
 
     return {"torch": torch.__version__, "lightning": lightning.__version__,
             "transformers": transformers.__version__, "areal_lightning": __version__}
+
+
+def hf_models_of(trainer: Any, module: Any) -> list[HFModelEntry]:
+    """The ``PreTrainedModel``\\ s of ``module`` a recover checkpoint records for ``convert``: those
+    of the run's ``HFSaverCallback``\\ s under their names, else every ``PreTrainedModel`` attribute
+    of the module (``model`` as ``default``, with the module's ``tokenizer``). PEFT models are left
+    out (their exports need the adapter configuration: ``HFSaverCallback``)."""
+    from areal_lightning.lightning.hf_saver import HFSaverCallback
+    from areal_lightning.write.hf import DEFAULT_MAX_SHARD_SIZE
+
+    entries: list[HFModelEntry] = []
+    savers = [cb for cb in trainer.callbacks if isinstance(cb, HFSaverCallback)]
+    for cb in savers:
+        try:
+            model = uncompiled(cb.resolve_model(module))
+        except Exception:  # noqa: BLE001 - the callback reports its own errors at its exports
+            continue
+        prefix = state_prefix(module, model)
+        if is_pretrained(model) and prefix is not None:
+            attr = cb.model_attr if isinstance(cb.model_attr, str) else None
+            entries.append(HFModelEntry(cb.name, attr, model, cb.resolve_tokenizer(module), prefix,
+                                        cb.max_shard_size))
+    if savers:
+        return entries
+    for attr, child in module.named_children():
+        model = uncompiled(child)
+        if is_pretrained(model):
+            name = "default" if attr == "model" else attr
+            tokenizer = getattr(module, "tokenizer", None) if name == "default" else None
+            entries.append(HFModelEntry(name, attr, model, tokenizer, plain_name(attr) + ".", DEFAULT_MAX_SHARD_SIZE))
+    return entries
 
 
 def optimizer_keys(trainer: Any) -> str:
