@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from areal_lightning.capture.compiled import plain_name
-from areal_lightning.capture.hf_weights import model_class
+from areal_lightning.capture.hf_weights import model_class, model_dtype
 from areal_lightning.commit.atomic import write_json
 from areal_lightning.layout import RECOVER_HF, tmp_sibling
 from areal_lightning.write.durable import fsync_dir
@@ -76,7 +76,7 @@ def _write_files(entry: HFModelEntry, folder: Path) -> None:
     if entry.tokenizer is not None:
         entry.tokenizer.save_pretrained(folder)
     cls = model_class(model)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    dtype = model_dtype(model)
     write_json(folder / MODEL_FILE, {"class": f"{cls.__module__}.{cls.__qualname__}",
                                      "dtype": str(dtype).removeprefix("torch.")})
 

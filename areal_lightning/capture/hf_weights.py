@@ -165,6 +165,11 @@ def model_class(model: Any) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
+def model_dtype(model: Any) -> torch.dtype:
+    """The dtype of a model's floating-point parameters (torch's default where it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
 def meta_twin(model: Any) -> Any:
     """A parameter-less twin of a ``PreTrainedModel`` (same class, config, generation config
     and dtype; parameters on the ``meta`` device) for ``save_pretrained(state_dict=...)`` in a
@@ -172,7 +177,7 @@ def meta_twin(model: Any) -> Any:
     (``use_orig_params=True``) swaps the live model's parameters
     for plain tensors during forward and backward, so a background ``save_pretrained`` of
     the live model would see no parameters (``model.dtype`` raises ``StopIteration``)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    dtype = model_dtype(model)
     cls = model_class(model)
     with torch.device("meta"):
         twin = cls(copy.deepcopy(model.config))
