@@ -80,7 +80,7 @@ def _lm_script() -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("writer", list(WRITERS))
-def test_convert_gives_the_hf_export_of_the_step_and_a_lightning_file_whatever_wrote_it(tmp_path, writer) -> None:
+def test_convert_gives_the_hf_export_of_the_step_a_lightning_file_and_a_stock_dcp_whatever_wrote_it(tmp_path, writer) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,6 +134,21 @@ def test_convert_gives_the_hf_export_of_the_step_and_a_lightning_file_whatever_w
                                 enable_progress_bar=False, enable_model_summary=False, callbacks=[check])
     trainer.fit(script.LM(str(tmp_path / "again.jsonl")), script.loader(1, 32, True), ckpt_path=tmp_path / "one.ckpt")
     assert check.checked == step and trainer.global_step == step + 16  # the second epoch, on one process
+
+    # --to dcp: torch's own layout, which a stock dcp.load reads (every rank's shards, one process)
+    import torch.distributed.checkpoint as dcp
+
+    from areal_lightning.write.dcp import read_tensors, tensor_entries
+
+    stock = convert(trial, "dcp", tmp_path / "stock")
+    entries = tensor_entries(trial / "default" / "recover_checkpoint")
+    assert tensor_entries(stock) == entries
+    theirs = {fqn: torch.empty(size, dtype=dtype) for fqn, (size, dtype) in entries.items()}
+    ours = {fqn: torch.empty(size, dtype=dtype) for fqn, (size, dtype) in entries.items()}
+    dcp.load(theirs, checkpoint_id=stock, no_dist=True)
+    read_tensors(trial / "default" / "recover_checkpoint", ours)
+    for fqn, tensor in ours.items():
+        assert torch.equal(theirs[fqn], tensor), fqn
 
 
 def test_convert_refuses_bad_input_naming_what_to_pass_and_writes_nothing(tmp_path) -> None:

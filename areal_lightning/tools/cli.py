@@ -126,16 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--trial", default=None, help="only trials with this name")
     insp.set_defaults(func=_inspect)
     conv = sub.add_parser(
-        "convert", help="write a recover checkpoint as an HF folder or one Lightning checkpoint file",
+        "convert", help="write a recover checkpoint as an HF folder, one Lightning checkpoint file or a stock DCP folder",
         description="Write the recover checkpoint at PATH as the HF folder HFSaverCallback would have exported at "
                     "its step (--to hf), or as one Lightning checkpoint file for load_from_checkpoint and "
-                    "trainer.fit(ckpt_path=...) (--to lightning). One CPU process, any strategy and world size "
+                    "trainer.fit(ckpt_path=...) (--to lightning), or as a DCP folder a stock "
+                    "torch.distributed.checkpoint.load reads (--to dcp). One CPU process, any strategy and world size "
                     "that wrote it; every item is verified as it is read. Exit code 0: written (its path is "
                     "printed); 1: the checkpoint is damaged or cannot be converted; 2: usage error.")
     conv.add_argument("path", help="a fileroot holding one trial, a trial folder "
                                    "{fileroot}/checkpoints/{user}/{experiment}/{trial}, or a recover_checkpoint/ folder")
-    conv.add_argument("--to", required=True, choices=["hf", "lightning"], help="what to write")
-    conv.add_argument("--out", required=True, help="the folder (hf) or .ckpt file (lightning) to create")
+    conv.add_argument("--to", required=True, choices=["hf", "lightning", "dcp"], help="what to write")
+    conv.add_argument("--out", required=True, help="the folder (hf, dcp) or .ckpt file (lightning) to create")
     conv.add_argument("--name", default="default", help="the model name (HFSaverCallback name=; default: default)")
     conv.add_argument("--model-attr", default=None,
                       help="the LightningModule attribute holding the HF model (default: as recorded, else 'model')")

@@ -6,6 +6,8 @@ the model, built from the config and class ``RecoverCallback`` recorded: see
 :mod:`areal_lightning.capture.hf_meta`; the tokenizer files as recorded). ``--to lightning --out
 FILE.ckpt`` writes the checkpoint dict ``TorchCheckpointIO`` writes, optimizer states keyed by
 position, for ``MyModule.load_from_checkpoint`` and ``trainer.fit(model, ckpt_path=FILE)``.
+``--to dcp --out DIR`` copies the checkpoint into torch's own DCP layout (tensors as
+``torch.save`` items) for a stock ``dcp.load``, which refuses our raw tensor items by name.
 
 Both run on one CPU process without a process group, whatever strategy and world size wrote the
 checkpoint: each tensor is read whole (from every rank's shard), verified against its CRC32C,
@@ -37,8 +39,9 @@ __all__ = ["convert", "CONVERT_TARGETS", "ConvertError"]
 
 log = logging.getLogger(__name__)
 
-CONVERT_TARGETS = ("hf", "lightning")
-"""What ``convert`` writes: an HF model folder, or one Lightning checkpoint file."""
+CONVERT_TARGETS = ("hf", "lightning", "dcp")
+"""What ``convert`` writes: an HF model folder, one Lightning checkpoint file, or a DCP folder
+in torch's own layout (for a stock ``dcp.load``; ours stores tensors as raw bytes)."""
 
 _NOT_TOKENIZER = {"config.json", "generation_config.json", MODEL_FILE}
 _ALIGN = 64
@@ -256,16 +259,31 @@ def _to_lightning(source: _Source, out: Path, weights_only: bool) -> None:
              checkpoint.get("global_step"))
 
 
+def _to_dcp(source: _Source, out: Path) -> None:
+    from areal_lightning.write.dcp import write_stock_copy
+
+    tmp = _fresh_output(out)
+    try:
+        write_stock_copy(source.ckpt_dir, tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("convert: %s -> %s (DCP checkpoint in torch's FileSystemWriter layout)", source.ckpt_dir, out)
+
+
 def convert(path: str | os.PathLike[str], to: str, out: str | os.PathLike[str], *, name: str = "default",
             model_attr: str | None = None, hf_config: str | os.PathLike[str] | None = None,
             weights_only: bool = True) -> Path:
-    """Write the recover checkpoint at ``path`` as an HF folder (``to="hf"``) or one Lightning
-    checkpoint file (``to="lightning"``) at ``out``; returns ``out``.
+    """Write the recover checkpoint at ``path`` as an HF folder (``to="hf"``), one Lightning
+    checkpoint file (``to="lightning"``) or a DCP folder that a stock ``dcp.load`` reads
+    (``to="dcp"``) at ``out``; returns ``out``.
 
     Args:
-        path: a fileroot holding one trial, a trial folder, or a ``recover_checkpoint/`` folder.
+        path: a fileroot holding one trial, a trial folder, or a ``recover_checkpoint/`` folder
+            (``dcp`` also: any checkpoint folder ``DCPCheckpointIO`` wrote).
         to: one of :data:`CONVERT_TARGETS`.
-        out: the folder (``hf``) or file (``lightning``) to create; must not exist (or be empty).
+        out: the folder (``hf``, ``dcp``) or file (``lightning``) to create; must not exist (or be empty).
         name: the HF model to write (``HFSaverCallback(name=...)``, e.g. ``"critic"``);
             ``"default"``: the one of ``HFSaverCallback()`` or the module's ``model`` attribute.
         model_attr: the LightningModule attribute holding the HF model, where the checkpoint
@@ -284,6 +302,8 @@ def convert(path: str | os.PathLike[str], to: str, out: str | os.PathLike[str], 
     target = Path(out)
     if to == "hf":
         _to_hf(source, target, name, model_attr, hf_config)
+    elif to == "dcp":
+        _to_dcp(source, target)
     else:
         _to_lightning(source, target, weights_only)
     return target

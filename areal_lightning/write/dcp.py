@@ -110,7 +110,10 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
+    WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
@@ -118,6 +121,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_enabled, fault_point
+from areal_lightning._torch_internals import DATA_SUFFIX, storage_info
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
@@ -125,7 +129,9 @@ from areal_lightning.objectstore import filesystem, is_remote, strip
 from areal_lightning.stage.host import bind_thread_to, cuda_device
 from areal_lightning.stage.worker import BackgroundWorker
 from areal_lightning.write.checksum import (
+    ITEM_CHECKSUM,
     ChecksumLog,
+    crc32c,
     HashingStream,
     Written,
     check_item,
@@ -141,6 +147,7 @@ from areal_lightning.write.dcp_format import (
     split,
 )
 from areal_lightning.write.durable import fsync_dir
+from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, read_into, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -318,12 +325,13 @@ class _CommitWriter(FileSystemWriter):
             del self.fs.create_stream
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        # DCP writes the files from its writer threads (and an async save runs this in a
-        # background thread). torch's writer threads end on an exception without telling the
-        # save, which then returns the other files' items only: every error of a file's write
-        # is kept here and re-raised, and the items written are counted against the plan, so
-        # the save fails as a whole. Fault point "engine.after_shard_file" after each shard
-        # file is written, fsynced and closed: a "kill" SIGKILLs the whole process from any thread.
+        # The files are written by this writer's threads (an async save runs this in a
+        # background thread), ``thread_count`` files per rank: byte items first, then tensor
+        # items as raw bytes (:mod:`areal_lightning.write.raw`). Every error of a file's write
+        # is kept and re-raised once the other files are finished, and the items written are
+        # counted against the plan, so the save fails as a whole. Fault point
+        # "engine.after_shard_file" after each shard file is written, fsynced and closed: a
+        # "kill" SIGKILLs the whole process from any thread.
         errors: list[BaseException] = []
         faults = fault_enabled()
 
@@ -333,18 +341,60 @@ class _CommitWriter(FileSystemWriter):
                 fault_point("engine.after_shard_file")
 
         with self._hashed(closed, errors):
-            result = super().write_data(plan, planner)
+            results = self._write_files(plan, planner, errors)
         if errors:
             raise errors[0]
-        if len(result.value()) != len(plan.items):
-            raise CheckpointWriteError(f"{self.path}: DCP's writer threads wrote {len(result.value())} of the "
+        if len(results) != len(plan.items):
+            raise CheckpointWriteError(f"{self.path}: the writer threads wrote {len(results)} of the "
                                        f"{len(plan.items)} items of this rank; a writer thread failed")
-        self.checksums.attach(result.value())
+        self.checksums.attach(results)
         if self.checksums.written.unhashed:
             log.warning("%s: %d of %d items were written in a way this version cannot checksum; they are "
                         "checked by size only", self.path, self.checksums.written.unhashed,
                         self.checksums.written.items)
-        return result
+        done: TorchFuture = TorchFuture()
+        done.set_result(results)
+        return done
+
+    def _write_files(self, plan: SavePlan, planner: SavePlanner, errors: list[BaseException]) -> list[WriteResult]:
+        """Write this rank's items into ``thread_count`` files in parallel; their results."""
+        prefix = plan.storage_data.prefix  # DCP's per-rank file prefix ("__{rank}_")
+        buckets = _buckets(plan.items, self.thread_count)
+
+        def write_file(index: int, items: list[WriteItem]) -> list[WriteResult]:
+            name = f"{prefix}{index}{DATA_SUFFIX}"
+            results = []
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+                for item in items:
+                    data = planner.resolve_data(item)
+                    offset = stream.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(data.getbuffer())
+                        descriptors = None
+                    else:
+                        tensor = data.detach()
+                        if not tensor.is_cpu:
+                            tensor = tensor.cpu()
+                        stream.write(tensor_bytes(tensor.contiguous()))
+                        descriptors = [RAW_DESCRIPTOR]
+                    length = stream.tell() - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=storage_info(name, offset, length, descriptors)))
+                if self.sync_files:
+                    stream.flush()
+                    os.fsync(stream.fileno())
+            return results
+
+        with ThreadPoolExecutor(len(buckets), thread_name_prefix="areal-dcp-write") as pool:
+            jobs = [pool.submit(write_file, index, items) for index, items in enumerate(buckets)]
+        written: list[WriteResult] = []
+        for job in jobs:
+            if job.exception() is not None:
+                if not errors:
+                    errors.append(job.exception())
+                continue
+            written += job.result()
+        return written
 
     def finish(self, metadata: Metadata, results: list) -> None:
         fault_point("engine.before_commit")
@@ -383,6 +433,25 @@ class _CachingSavePlanner(DefaultSavePlanner):
             return plan
         self.plan = self._pending_local_plan = fresh
         return fresh
+
+
+def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
+    """``count`` files' items: byte items dealt in turn, then tensors largest first, each to
+    the file with the fewest bytes so far (as DCP's ``FileSystemWriter`` splits them)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    data = [item for item in items if item.type == WriteItemType.BYTE_IO]
+    for i, item in enumerate(data):
+        buckets[i % count].append(item)
+
+    def nbytes(item: WriteItem) -> int:
+        return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+    for item in sorted((item for item in items if item.type != WriteItemType.BYTE_IO), key=nbytes, reverse=True):
+        smallest = sizes.index(min(sizes))
+        buckets[smallest].append(item)
+        sizes[smallest] += nbytes(item)
+    return buckets
 
 
 def _dtypes(plan: SavePlan) -> list[Any]:
@@ -444,6 +513,14 @@ class _TemplateLoadPlanner(DefaultLoadPlanner):
         self.commit_tensor(read_item, target)
 
 
+def _narrowed(tensor: torch.Tensor, item: ReadItem) -> torch.Tensor:
+    """The part of a saved chunk that ``item`` reads."""
+    for dim, (begin, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+        if size < tensor.size(dim):
+            tensor = tensor.narrow(dim, begin, size)
+    return tensor
+
+
 @dataclass
 class Read:
     """What one rank read in a load: ``nbytes`` of checkpoint items, ``verified`` of them
@@ -472,6 +549,19 @@ class _AdoptingReader(FileSystemReader):
         self.failure: CheckpointCorruptError | None = None
         self.threads = _READ_THREADS  # files read at once (1: one item's buffers at a time)
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        # each saved chunk's shape and dtype, by its storage index: what a raw item holds
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self._chunks[(fqn, tuple(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
+
+    def chunk(self, index: Any) -> tuple[torch.Size, torch.dtype]:
+        """The shape and dtype of the saved chunk at DCP's storage ``index`` (a ``MetadataIndex``)."""
+        return self._chunks[(index.fqn, tuple(index.offset))]
+
     def _read_file(self, relative_path: str, entries: list[tuple[Any, ReadItem]], planner: LoadPlanner) -> Read:
         """Read, verify and load the items of one file, in offset order."""
         stats = Read()
@@ -481,6 +571,9 @@ class _AdoptingReader(FileSystemReader):
             for info, item in entries:
                 key = item.storage_index.fqn
                 try:
+                    if item.type != LoadItemType.BYTE_IO and is_raw(info.transform_descriptors):
+                        self._read_raw(file, path, info, item, planner, stats)
+                        continue
                     data = read_item(file, path, info, key)
                     start = time.perf_counter()
                     stats.verified += check_item(data, path, info, key)
@@ -493,15 +586,39 @@ class _AdoptingReader(FileSystemReader):
                     planner.load_bytes(item, io.BytesIO(data))
                     continue
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                for dim, (begin, size) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    if size < tensor.size(dim):
-                        tensor = tensor.narrow(dim, begin, size)
-                planner.load_tensor(item, tensor)
+                planner.load_tensor(item, _narrowed(tensor, item))
         return stats
+
+    def _read_raw(self, file: Any, path: Any, info: Any, item: ReadItem, planner: LoadPlanner, stats: Read) -> None:
+        """Read a raw tensor item into its destination's memory (one copy, from the page
+        cache), check its CRC32C over that memory, then hand it to the planner. The item is
+        read whole (its CRC covers it): into the destination when the destination is that
+        whole chunk, contiguous, on the CPU and of its dtype, else into a scratch tensor
+        narrowed and copied from."""
+        key = item.storage_index.fqn
+        sizes, dtype = self.chunk(item.storage_index)
+        if sizes.numel() * dtype.itemsize != info.length:
+            raise CheckpointCorruptError(
+                f"{path}: {key!r} is recorded as {info.length} bytes but its chunk {list(sizes)} of {dtype} holds "
+                f"{sizes.numel() * dtype.itemsize}; the checkpoint's .metadata is damaged")
+        whole = not any(item.storage_offsets) and list(item.lengths) == list(sizes)
+        dest = planner.resolve_tensor(item).detach() if whole else None
+        direct = type(dest) is torch.Tensor and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
+        target = dest if direct else torch.empty(sizes, dtype=dtype)
+        view = read_into(file, target, path, info.offset, key)
+        start = time.perf_counter()
+        stats.verified += check_item(view, path, info, key)
+        stats.verify_s += time.perf_counter() - start
+        stats.nbytes += info.length
+        if direct:
+            planner.commit_tensor(item, target)
+        else:
+            planner.load_tensor(item, _narrowed(target, item))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture:
         infos = [self.storage_data[item.storage_index] for item in plan.items]
-        if not isinstance(planner, _TemplateLoadPlanner) or any(info.transform_descriptors for info in infos):
+        if not isinstance(planner, _TemplateLoadPlanner) or \
+                any(info.transform_descriptors not in (None, [], [RAW_DESCRIPTOR]) for info in infos):
             return super().read_data(plan, planner)
         per_file: dict[str, list[tuple[Any, ReadItem]]] = {}
         for info, item in zip(infos, plan.items):
@@ -617,8 +734,8 @@ def read_tensors(path: PathLike, into: Mapping[str, torch.Tensor],
                  storage_options: Mapping[str, Any] | None = None) -> Read:
     """Read the tensors saved under the flat keys of ``into`` into those tensors (full size),
     each item verified against its CRC32C as it is read, without a process group; returns what
-    was read. Only these items are read, one at a time (memory: about twice the largest item,
-    its bytes and their decoded tensor, besides ``into``)."""
+    was read. Only these items are read, one at a time, each straight into its tensor of
+    ``into`` (a ``torch.save`` item of 0.2.0 and earlier: its bytes and the decoded tensor)."""
     path = check_complete(path, storage_options)
     reader = reader_of(path, storage_options, threads=1)
     try:
@@ -628,6 +745,55 @@ def read_tensors(path: PathLike, into: Mapping[str, torch.Tensor],
             raise reader.failure from None
         raise CheckpointCorruptError(f"failed to read checkpoint {path}: {exc!r}") from exc
     return reader.stats
+
+
+def write_stock_copy(path: PathLike, out: Path) -> Read:
+    """Copy the complete checkpoint at ``path`` into the new folder ``out`` in the layout of
+    torch's own ``FileSystemWriter`` (every tensor item a ``torch.save`` container), which a
+    stock ``dcp.load`` with a plain ``FileSystemReader`` reads; same files, keys, chunks and
+    skeleton, each item's CRC32C recorded as in our saves. Every item is verified as it is
+    read, one at a time (memory: about twice the largest item). Returns what was read."""
+    path = check_complete(path)
+    reader = reader_of(path, threads=1)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{path}/{COMMIT_MARKER} is unreadable: {exc!r}") from exc
+    reader.set_up_storage_reader(metadata, True)
+    stats = Read()
+    per_file: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        per_file.setdefault(info.relative_path, []).append((index, info))
+    out.mkdir(parents=True)
+    storage: dict[Any, Any] = {}
+    for name, entries in per_file.items():
+        source = reader.fs.concat_path(reader.path, name)
+        with reader.fs.create_stream(source, "rb") as file, open(out / name, "wb") as target:
+            for index, info in sorted(entries, key=lambda entry: entry[1].offset):
+                if is_raw(info.transform_descriptors):
+                    sizes, dtype = reader.chunk(index)
+                    tensor = torch.empty(sizes, dtype=dtype)
+                    check_item(read_into(file, tensor, source, info.offset, index.fqn), source, info, index.fqn)
+                    buffer = io.BytesIO()
+                    torch.save(tensor, buffer)
+                    data = buffer.getbuffer()
+                else:
+                    data = read_item(file, source, info, index.fqn)
+                    check_item(data, source, info, index.fqn)
+                stats.nbytes += info.length
+                record = storage_info(name, target.tell(), len(data))
+                setattr(record, ITEM_CHECKSUM, crc32c(data))
+                target.write(data)
+                storage[index] = record
+            target.flush()
+            os.fsync(target.fileno())
+    metadata.storage_data = storage
+    with open(out / COMMIT_MARKER, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(out)
+    return stats
 
 
 class DCPEngine:

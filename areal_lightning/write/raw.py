@@ -1,0 +1,72 @@
+"""Write: tensor items as their raw bytes, read straight into the destination's memory.
+
+Since 0.3.0 a DCP save of this package writes each tensor item as the tensor's bytes in
+row-major order (no per-item ``torch.save`` zip, no pickling): dtype and shape are DCP's own
+chunk metadata. Such an item's ``_StorageInfo`` carries the transform descriptor
+:data:`RAW_DESCRIPTOR`, so a stock DCP reader refuses it by name ("Unknown extension
+name='areal.raw'") instead of misreading it; ``areal-lightning convert PATH --to dcp``
+writes a copy every stock reader takes. Items without it (0.1.0 / 0.2.0 checkpoints, byte
+items) are ``torch.save`` containers, read as before.
+
+* Write: :func:`tensor_bytes` is a zero-copy view of a contiguous CPU tensor's bytes.
+* Read: :func:`read_into` fills a contiguous CPU tensor from a file with ``readinto`` and
+  computes the CRC32C over that same memory: one copy, from the page cache into the
+  destination, then the check (:func:`~areal_lightning.write.checksum.check_item`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+import torch
+
+from areal_lightning.errors import CheckpointCorruptError
+
+__all__ = ["RAW_DESCRIPTOR", "is_raw", "tensor_bytes", "read_into"]
+
+RAW_DESCRIPTOR = "areal.raw/1"
+"""DCP transform descriptor of a tensor item stored as raw row-major bytes (part of the format)."""
+
+
+def is_raw(descriptors: Sequence[str] | None) -> bool:
+    """Whether an item with these transform descriptors is raw bytes (else ``torch.save``).
+
+    Raises :class:`CheckpointCorruptError` for descriptors this version cannot read."""
+    if not descriptors:
+        return False
+    if list(descriptors) == [RAW_DESCRIPTOR]:
+        return True
+    raise CheckpointCorruptError(f"item encoded as {list(descriptors)!r}: this version reads {RAW_DESCRIPTOR!r} "
+                                 "and torch.save items only (was it written by a newer areal-lightning?)")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU ``tensor`` (row-major), without a copy."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def read_into(file: BinaryIO, dest: torch.Tensor, path: Any, offset: int, key: str) -> memoryview:
+    """Fill the contiguous CPU tensor ``dest`` with the bytes of ``file`` at ``offset`` (its
+    whole size) and return the view of its memory that was filled (for the CRC).
+
+    Raises :class:`CheckpointCorruptError` naming ``path`` and ``key`` if the file ends first."""
+    view = tensor_bytes(dest)
+    file.seek(offset)
+    filled, need = 0, len(view)
+    readinto = getattr(file, "readinto", None)
+    while filled < need:
+        if readinto is not None:
+            got = readinto(view[filled:])
+        else:
+            chunk = file.read(need - filled)
+            got = len(chunk)
+            view[filled:filled + got] = chunk
+        if not got:
+            raise CheckpointCorruptError(
+                f"{path} is truncated: {key!r} needs bytes {offset}..{offset + need} but the file ends at "
+                f"{offset + filled}; the checkpoint is damaged: restore the file, or delete the checkpoint")
+        filled += got
+    return view
