@@ -3,7 +3,8 @@
 Each function or constant below names the private it reads, builds or replaces; every one is
 pinned by ``tests/test_torch_internals.py`` against the installed torch, so a torch upgrade
 that moves one breaks one test with a clear name instead of a save or a resume.
-``tests/test_internals.py`` checks that no other module of the package uses these names.
+``tests/test_internals.py`` checks that no other module of the package uses these names (as
+``lightning/_internals.py`` is the only one for Lightning's).
 
 Why each is needed (public torch has no equivalent):
 
@@ -11,22 +12,58 @@ Why each is needed (public torch has no equivalent):
   (file, offset, length, transform descriptors): a writer that lays out its own files must
   return one per item, and it is what ``.metadata`` pickles (readers of every version find it
   under that name).
+* DCP's object-store file system, ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem``
+  (what ``FsspecWriter`` / ``FsspecReader`` use): subclassed for uploads that abort instead of
+  publishing a truncated object.
+* DCP's class-level plan caches (``DefaultSavePlanner(enable_plan_caching=True)``):
+  ``SavePlanner._cached_save_plan`` and its four siblings, under the planner's
+  ``_cached_plans_key`` (set per engine: the default, the class name, would be shared by every
+  engine of the process), read to tell a dtype change (which DCP's plan comparison ignores;
+  the changed plan is then sent as ``_pending_local_plan``) and dropped when an engine closes.
+* FSDP1's sharded state dicts hold ``ShardedTensor`` s (module ``torch.distributed._shard``);
+  an async save stages their local shards and rebuilds them around the staged copies with
+  ``ShardedTensor._init_from_local_shards_and_global_metadata`` and the source's
+  ``_process_group``.
+* a batch carrying its worker's RNG states is pinned by the DataLoader's pin-memory thread
+  through ``torch.utils.data._utils.pin_memory.pin_memory`` (what the DataLoader itself calls).
+* ``torch.compile``'s ``OptimizedModule`` holds the user's module as ``_orig_mod`` only.
+* the exact data position: torch's DataLoader iterators read indices from
+  ``DataLoader._index_sampler`` and are built by ``DataLoader._get_iterator``; a tracked loader
+  overrides both in a subclass made with ``type()`` and takes it by a ``__class__`` swap
+  (Lightning re-instantiates loaders, so the object itself is not ours to replace).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner
 
-__all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info"]
+__all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "set_plan_cache_key", "cached_save_plan",
+           "send_changed_plan", "drop_plan_cache",
+           "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
+           "index_sampler", "loader_subclass", "swap_class"]
 
-PRIVATE_NAMES = ("_StorageInfo",)
+PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_cached_all_plans",
+                 "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan", "_cached_plans_key", "_pending_local_plan", "_shard",
+                 "_init_from_local_shards_and_global_metadata", "_process_group", "_utils", "_orig_mod",
+                 "_index_sampler", "_get_iterator")
 """torch's private names used here (and nowhere else in the package)."""
 
 DATA_SUFFIX = ".distcp"
 """The suffix of DCP's data files (``torch.distributed.checkpoint.filesystem.DEFAULT_SUFFIX``)."""
+
+FsspecFileSystem = _FsspecFileSystem
+"""torch's fsspec ``FileSystem`` of DCP (private module ``_fsspec_filesystem``)."""
+
+COMPILED_SEGMENT = "_orig_mod"
+"""The attribute (and state-dict name segment) of the module inside ``torch.compile``'s wrapper."""
+
+_PLAN_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                "_cached_final_save_plan")
 
 
 def storage_info(relative_path: str, offset: int, length: int, descriptors: Sequence[str] | None = None) -> Any:
@@ -35,3 +72,81 @@ def storage_info(relative_path: str, offset: int, length: int, descriptors: Sequ
     container, what every reader takes)."""
     return _StorageInfo(relative_path, offset, length,
                         transform_descriptors=list(descriptors) if descriptors else None)
+
+
+def set_plan_cache_key(planner: Any, cache_key: str) -> None:
+    """File ``planner``'s cached plans under ``cache_key`` (``DefaultSavePlanner._cached_plans_key``,
+    by default the class name, shared by every planner of that class in the process)."""
+    planner._cached_plans_key = cache_key
+
+
+def cached_save_plan(planner: Any) -> Any:
+    """The local save plan DCP cached for ``planner``'s key (``SavePlanner._cached_save_plan``)."""
+    return SavePlanner._cached_save_plan[planner._cached_plans_key]
+
+
+def send_changed_plan(planner: Any, plan: Any) -> None:
+    """Make ``plan`` the local plan ``planner`` sends as changed, and caches once the save's
+    global plan is final (``plan`` and ``DefaultSavePlanner._pending_local_plan``)."""
+    planner.plan = planner._pending_local_plan = plan
+
+
+def drop_plan_cache(cache_key: str) -> None:
+    """Forget DCP's cached plans under ``cache_key`` (all five class-level caches)."""
+    for name in _PLAN_CACHES:
+        getattr(SavePlanner, name).pop(cache_key, None)
+
+
+def sharded_tensor_types() -> tuple[type, type]:
+    """``(ShardedTensor, Shard)`` of ``torch.distributed._shard.sharded_tensor`` (FSDP1's)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    return ShardedTensor, Shard
+
+
+def rebuild_sharded_tensor(shards: list[Any], metadata: Any, like: Any) -> Any:
+    """A ``ShardedTensor`` of these local ``shards`` and global ``metadata``, on the process
+    group of the ``ShardedTensor`` ``like`` (``_init_from_local_shards_and_global_metadata``)."""
+    sharded, _shard = sharded_tensor_types()
+    return sharded._init_from_local_shards_and_global_metadata(shards, metadata, process_group=like._process_group)
+
+
+def pin_memory(data: Any) -> Any:
+    """``data`` (nested) in pinned memory, as the DataLoader's pin-memory thread pins a batch."""
+    from torch.utils.data._utils.pin_memory import pin_memory as pin
+
+    return pin(data)
+
+
+def original_module(module: Any) -> Any:
+    """The module a ``torch.compile`` wrapper holds (``OptimizedModule._orig_mod``)."""
+    return getattr(module, COMPILED_SEGMENT)
+
+
+def index_sampler(loader: Any) -> Any:
+    """What a DataLoader's iterators read indices from (``DataLoader._index_sampler``: the
+    batch sampler when batched, else the sampler)."""
+    return loader._index_sampler
+
+
+def loader_subclass(cls: type, name: str, attrs: dict[str, Any], *,
+                    index_sampler: Callable[[Any, Any], Any],
+                    make_iterator: Callable[[Any, Callable[[], Any]], Any]) -> type:
+    """A subclass of the DataLoader class ``cls`` (made with ``type()``, no extra base: its
+    objects have ``cls``'s layout, so a loader can take it by :func:`swap_class`) whose
+    ``_index_sampler`` is ``index_sampler(loader, inner)`` and whose ``_get_iterator`` is
+    ``make_iterator(loader, build)`` (``inner``, ``build``: ``cls``'s own), with ``attrs``."""
+
+    def _index_sampler(self: Any) -> Any:
+        return index_sampler(self, super(sub, self)._index_sampler)
+
+    def _get_iterator(self: Any) -> Any:
+        return make_iterator(self, super(sub, self)._get_iterator)
+
+    sub = type(name, (cls,), {**attrs, "_index_sampler": property(_index_sampler), "_get_iterator": _get_iterator})
+    return sub
+
+
+def swap_class(obj: Any, cls: type) -> None:
+    """Give ``obj`` the class ``cls`` in place (one of the same layout: see :func:`loader_subclass`)."""
+    object.__setattr__(obj, "__class__", cls)

@@ -267,44 +267,61 @@ def test_no_other_module_touches_lightning_private_names() -> None:
     assert all(name in text for name in internals.PRIVATE_NAMES)
 
 
-# Private names of other libraries the package uses, where (outside lightning/_internals.py).
+# Private names of other libraries than Lightning and torch the package uses, and where.
 OTHER_LIBRARIES_PRIVATE = {
-    "_init_from_local_shards_and_global_metadata": "stage/host.py",  # torch ShardedTensor (FSDP1 staging)
-    "_process_group": "stage/host.py",  # torch ShardedTensor (FSDP1 staging)
     "_getdtype": "write/hf.py",  # safetensors' dtype names (DCP HF export check)
-    "_orig_mod": "capture/compiled.py",  # torch.compile's OptimizedModule -> the module (tests/test_compile.py)
-    # torch DCP's class-level plan caches (DefaultSavePlanner(enable_plan_caching=True)): read
-    # to compare dtypes and dropped when an engine closes; pinned by
-    # tests/test_engine.py::test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes
-    "_cached_save_plan": "write/dcp.py",
-    "_cached_all_plans": "write/dcp.py",
-    "_cached_global_plan": "write/dcp.py",
-    "_cached_metadata": "write/dcp.py",
-    "_cached_final_save_plan": "write/dcp.py",
 }
+ADAPTERS = {"lightning/_internals.py", "_torch_internals.py"}
 
 
-def test_no_other_module_touches_any_private_name_of_another_library() -> None:
-    """Generic: a private attribute (``x._name``) or private import that the package does not
-    define itself belongs to Lightning (only in _internals.py) or is one of the listed others."""
+def test_no_other_module_touches_torch_private_names() -> None:
+    """Every torch private name the package uses appears in _torch_internals.py only."""
+    from areal_lightning import _torch_internals
+
+    adapter = Path(_torch_internals.__file__).resolve()
+    patterns = {name: re.compile(rf"(\.{re.escape(name)}\b|\bimport [^\n]*\b{re.escape(name)}\b)")
+                for name in _torch_internals.PRIVATE_NAMES}
+    offenders = []
+    for source in sorted(PACKAGE.rglob("*.py")):
+        if source.resolve() == adapter:
+            continue
+        for lineno, line in enumerate(source.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for name, pattern in patterns.items():
+                if pattern.search(code):
+                    offenders.append(f"{source.relative_to(PACKAGE.parent)}:{lineno}: {name}: {line.strip()}")
+    assert not offenders, "torch private names outside _torch_internals.py:\n" + "\n".join(offenders)
+    assert all(name in adapter.read_text() for name in _torch_internals.PRIVATE_NAMES)
+
+
+def _defined_names(trees: dict) -> set[str]:
+    """The names the package defines itself: functions, classes, arguments, variables, and
+    attributes it sets on its own objects (``self.``/``cls.``, or prefixed ``_areal``). A write to
+    another library's object (``trainer._x = ...``) defines nothing."""
     import ast
 
     defined: set[str] = set()
-    trees = {source: ast.parse(source.read_text()) for source in sorted(PACKAGE.rglob("*.py"))}
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 defined.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 defined.add(node.attr)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 defined.add(node.id)
             elif isinstance(node, ast.arg):
                 defined.add(node.arg)
+    return defined
+
+
+def _foreign_private_uses(trees: dict, defined: set[str]) -> list[str]:
+    import ast
+
     offenders = []
     for source, tree in trees.items():
         rel = str(source.relative_to(PACKAGE))
-        if rel == "lightning/_internals.py":
+        if rel in ADAPTERS:
             continue
         for node in ast.walk(tree):
             names = []
@@ -312,11 +329,35 @@ def test_no_other_module_touches_any_private_name_of_another_library() -> None:
                 names = [node.attr]
             elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("areal_lightning"):
                 names = [alias.name for alias in node.names]
+                names += [part for part in (node.module or "").split(".") if part.startswith("_")]
             for name in names:
-                if name.startswith("_") and not name.startswith("__") and name not in defined \
-                        and OTHER_LIBRARIES_PRIVATE.get(name) != rel:
+                if name.startswith("_") and not name.startswith("__") and not name.startswith("_areal") \
+                        and name not in defined and OTHER_LIBRARIES_PRIVATE.get(name) != rel:
                     offenders.append(f"{rel}:{node.lineno}: {name}")
-    assert not offenders, "private names of other libraries outside lightning/_internals.py:\n" + "\n".join(offenders)
+    return offenders
+
+
+def test_no_other_module_touches_any_private_name_of_another_library() -> None:
+    """Generic: a private attribute (``x._name``, read or written) or private import that the
+    package does not define itself belongs to Lightning or torch (only in their adapter module)
+    or is one of the listed others."""
+    import ast
+
+    trees = {source: ast.parse(source.read_text()) for source in sorted(PACKAGE.rglob("*.py"))}
+    offenders = _foreign_private_uses(trees, _defined_names(trees))
+    assert not offenders, "private names of other libraries outside the adapter modules:\n" + "\n".join(offenders)
+
+
+def test_the_guard_catches_a_write_to_a_foreign_private_attribute() -> None:
+    """The guard itself: a module that sets another library's private attribute is caught."""
+    import ast
+
+    source = PACKAGE / "lightning" / "example_offender.py"
+    tree = ast.parse("def f(trainer):\n    trainer._made_up_private = 1\n")
+    assert _foreign_private_uses({source: tree}, _defined_names({source: tree})) == \
+        ["lightning/example_offender.py:2: _made_up_private"]
+    tree = ast.parse("from torch.utils.data._utils.pin_memory import pin_memory\n")
+    assert _foreign_private_uses({source: tree}, set()) == ["lightning/example_offender.py:1: _utils"]
 
 
 class StepProbe(Callback):

@@ -1,7 +1,7 @@
 """``torch.compile``d modules: the user's module inside torch's ``OptimizedModule``.
 
 ``torch.compile(module)`` returns an ``OptimizedModule`` holding the module as ``_orig_mod``
-(its only handle; pinned by ``tests/test_compile.py``). Its parameters are the module's, but
+(its only handle; read in :mod:`areal_lightning._torch_internals`). Its parameters are the module's, but
 under names with a ``_orig_mod.`` segment. HF exports take the module itself
 (:func:`uncompiled`); recover checkpoints store the names without the segment
 (:func:`plain_name`) and a resume maps them to the live model's names (:func:`live_names`),
@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from areal_lightning._torch_internals import COMPILED_SEGMENT, original_module
+
 __all__ = ["COMPILED_SEGMENT", "is_compiled", "uncompiled", "plain_name", "live_names"]
-
-COMPILED_SEGMENT = "_orig_mod"
-
 
 def is_compiled(module: Any) -> bool:
     """Whether ``module`` is torch's ``OptimizedModule`` (what ``torch.compile`` returns)."""
@@ -26,7 +25,7 @@ def is_compiled(module: Any) -> bool:
 def uncompiled(module: Any) -> Any:
     """The module a (possibly repeatedly) ``torch.compile``d ``module`` wraps; others as they are."""
     while is_compiled(module):
-        module = module._orig_mod
+        module = original_module(module)
     return module
 
 

@@ -192,9 +192,9 @@ def meta_twin(model: Any) -> Any:
 
 
 def _is_sharded_tensor(tensor: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from areal_lightning._torch_internals import sharded_tensor_types
 
-    return isinstance(tensor, ShardedTensor)
+    return isinstance(tensor, sharded_tensor_types()[0])
 
 
 def split_for_dcp(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from areal_lightning._torch_internals import loader_subclass, swap_class
 from areal_lightning.capture.rng import from_saved, to_saved
 from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks
 from areal_lightning.errors import RecoverMismatchError, start_fresh
@@ -64,7 +65,7 @@ def is_stateful_loader(loader: Any) -> bool:
     return _has_state(loader)
 
 
-def _index_sampler(loader: Any) -> Any:
+def ordering_sampler(loader: Any) -> Any:
     """The sampler that orders the samples: the batch sampler's (where Lightning injects its
     distributed sampler into a ``StatefulDataLoader``), else the loader's."""
     inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
@@ -74,7 +75,7 @@ def _index_sampler(loader: Any) -> Any:
 def _sampler_generator(loader: Any, unwrap: Callable[[Any], Any]) -> torch.Generator | None:
     """The ``torch.Generator`` the loader's sampler draws its permutation from, if it has one
     (torchdata's ``RandomSampler`` always has one, also inside Lightning's wrapper)."""
-    sampler = unwrap(_index_sampler(loader))
+    sampler = unwrap(ordering_sampler(loader))
     gen = getattr(sampler, "generator", None)
     return gen if isinstance(gen, torch.Generator) else None
 
@@ -85,7 +86,7 @@ def restores_itself(loader: Any) -> bool:
     ``StatefulDataLoader``'s sampler into a ``DistributedSamplerWrapper``, whose permutation
     the loader's state does not hold; such loaders are replayed like a plain ``DataLoader``."""
     wrapper = fabric_classes("utilities.distributed.DistributedSamplerWrapper")
-    return is_stateful_loader(loader) and not isinstance(_index_sampler(loader), wrapper)
+    return is_stateful_loader(loader) and not isinstance(ordering_sampler(loader), wrapper)
 
 
 def _resumable_subclass(cls: type) -> type:
@@ -101,19 +102,17 @@ def _resumable_subclass(cls: type) -> type:
     def __iter__(self: Any) -> Iterator[Any]:
         return type(self)._areal_tracker._iterate(self, type(self)._areal_index, super(sub, self).__iter__)
 
-    def _index_sampler(self: Any) -> Any:
-        inner = super(sub, self)._index_sampler
+    def tracked_sampler(self: Any, inner: Any) -> Any:
         if is_stateful_loader(self):  # a StatefulDataLoader fast-forwards (and saves) its own sampler
             return inner
         return _TrackedSampler(inner, type(self)._areal_tracker, type(self)._areal_index)
 
-    def _get_iterator(self: Any) -> Any:
-        return type(self)._areal_tracker._make_iterator(self, super(sub, self)._get_iterator)
+    def make_iterator(self: Any, build: Callable[[], Any]) -> Any:
+        return type(self)._areal_tracker._make_iterator(self, build)
 
-    sub = type(f"Resumable{cls.__name__}", (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
-                                                     "_index_sampler": property(_index_sampler),
-                                                     "_get_iterator": _get_iterator,
-                                                     "_areal_resumable": True})
+    sub = loader_subclass(cls, f"Resumable{cls.__name__}",
+                          {"__iter__": __iter__, "__module__": cls.__module__, "_areal_resumable": True},
+                          index_sampler=tracked_sampler, make_iterator=make_iterator)
     return sub
 
 
@@ -234,7 +233,7 @@ def _check_sampler(loader: Any, index: int, pending: dict[str, Any]) -> None:
     saved = pending.get("sampler")
     if pending.get("at_boundary") or not pending.get("done") or saved is None:
         return
-    live = type(_index_sampler(loader)).__name__
+    live = type(ordering_sampler(loader)).__name__
     if (saved in _DISTRIBUTED_SAMPLERS) == (live in _DISTRIBUTED_SAMPLERS):
         return
     like = ("a strategy that shards the data (DDP, FSDP: any world size)" if saved in _DISTRIBUTED_SAMPLERS
@@ -462,7 +461,7 @@ class LoaderTracker:
         sub = _resumable_subclass(cls)
         sub._areal_tracker = self
         sub._areal_index = index
-        object.__setattr__(loader, "__class__", sub)
+        swap_class(loader, sub)
         self._loaders[index] = loader
         return loader
 
@@ -471,7 +470,7 @@ class LoaderTracker:
         for loader in self._loaders.values():
             cls = type(loader)
             if cls.__dict__.get("_areal_resumable", False):
-                object.__setattr__(loader, "__class__", cls.__mro__[1])
+                swap_class(loader, cls.__mro__[1])
         self._loaders = {}
 
     def streams_apply(self, loader: Any) -> bool:
@@ -538,7 +537,7 @@ class LoaderTracker:
             gen = _sampler_generator(loader, self._unwrap_sampler)
             if at_boundary and gen is not None:
                 entry["sampler_generator"] = gen.get_state()
-            sampler = _index_sampler(loader)
+            sampler = ordering_sampler(loader)
             entry["sampler"] = type(sampler).__name__
             epoch = getattr(sampler, "epoch", None)
             if isinstance(epoch, int):  # DistributedSampler: the epoch its permutation is (next) drawn for
@@ -611,7 +610,7 @@ class LoaderTracker:
             _check_loader(loader, index, pending)
             _check_sampler(loader, index, pending)
             self._arm_streams(loader, index, pending)
-            sampler = _index_sampler(loader)
+            sampler = ordering_sampler(loader)
             if pending.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
                 # Lightning creates the resumed iterator before it sets the sampler's epoch; a
                 # StatefulDataLoader draws its permutation right then, so set the epoch first.

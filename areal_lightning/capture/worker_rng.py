@@ -55,7 +55,7 @@ class WorkerBatch:
 
     def pin_memory(self) -> "WorkerBatch":
         """Pin the batch (the DataLoader's ``pin_memory=True`` thread calls this)."""
-        from torch.utils.data._utils.pin_memory import pin_memory
+        from areal_lightning._torch_internals import pin_memory
 
         return WorkerBatch(pin_memory(self.data), self.worker, self.before, self.after)
 

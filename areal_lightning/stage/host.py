@@ -18,6 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from areal_lightning._torch_internals import rebuild_sharded_tensor, sharded_tensor_types
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 __all__ = ["HostStager", "staging_options", "bind_thread_to", "cuda_device"]
@@ -59,8 +61,7 @@ def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[
     rebuilds the ``ShardedTensor`` s around the staged copies (same global metadata, shards
     placed on CPU). DCP's own stager cannot copy a ``ShardedTensor`` (it calls
     ``data_ptr()``, which ``ShardedTensor`` refuses)."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
+    ShardedTensor, Shard = sharded_tensor_types()
     plain: dict[str, Any] = {}
     sharded: dict[str, tuple[ShardedTensor, list[str]]] = {}
     for key, value in state.items():
@@ -86,8 +87,7 @@ def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[
                 meta.tensor_properties = dataclasses.replace(meta.tensor_properties,
                                                              pin_memory=staged[keys[0]].is_pinned())
             shards = [Shard(staged[k], on_cpu(s.metadata)) for k, s in zip(keys, source.local_shards())]
-            out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
-                shards, meta, process_group=source._process_group)
+            out[key] = rebuild_sharded_tensor(shards, meta, source)
         return out
 
     return plain, rebuild

@@ -90,8 +90,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-# a private module of torch (what FsspecWriter/FsspecReader use): pinned by tests/test_objectstore.py
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -121,7 +119,15 @@ from torch.distributed.checkpoint.state_dict_saver import (
 from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_enabled, fault_point
-from areal_lightning._torch_internals import DATA_SUFFIX, storage_info
+from areal_lightning._torch_internals import (
+    DATA_SUFFIX,
+    FsspecFileSystem,
+    cached_save_plan,
+    drop_plan_cache,
+    send_changed_plan,
+    set_plan_cache_key,
+    storage_info,
+)
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
@@ -422,16 +428,16 @@ class _CachingSavePlanner(DefaultSavePlanner):
 
     def __init__(self, cache_key: str) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, enable_plan_caching=True)
-        self._cached_plans_key = cache_key
+        set_plan_cache_key(self, cache_key)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         if plan.usable:
             return plan
         fresh = create_default_local_save_plan(self.state_dict, self.is_coordinator)
-        if _dtypes(fresh) == _dtypes(SavePlanner._cached_save_plan[self._cached_plans_key]):
+        if _dtypes(fresh) == _dtypes(cached_save_plan(self)):
             return plan
-        self.plan = self._pending_local_plan = fresh
+        send_changed_plan(self, fresh)
         return fresh
 
 
@@ -456,13 +462,6 @@ def _buckets(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
 
 def _dtypes(plan: SavePlan) -> list[Any]:
     return [item.tensor_data.properties.dtype if item.tensor_data is not None else None for item in plan.items]
-
-
-def drop_plan_cache(cache_key: str) -> None:
-    """Forget DCP's cached plans under ``cache_key``."""
-    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
-                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
-        cache.pop(cache_key, None)
 
 
 def _load_trusted(value: io.BytesIO) -> Any:

@@ -1,0 +1,176 @@
+"""Pins every accessor of areal_lightning/_torch_internals.py against the installed torch.
+
+One test per accessor (``test_<name>``): a torch upgrade that moves a private breaks the test
+of that name, not a save or a resume. tests/test_internals.py checks that no other module of
+the package uses these private names.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.utils.data import DataLoader
+
+from areal_lightning import _torch_internals as ti
+
+
+def test_every_accessor_is_pinned_here() -> None:
+    here = sys.modules[__name__]
+    missing = [name for name in ti.__all__ if not callable(getattr(here, f"test_{name.lower()}", None))]
+    assert not missing, f"accessors of _torch_internals.py without a test_<name> here: {missing}"
+
+
+def test_private_names() -> None:
+    text = Path(ti.__file__).read_text()
+    assert all(name in text for name in ti.PRIVATE_NAMES)
+
+
+def test_data_suffix() -> None:
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+
+    assert ti.DATA_SUFFIX == DEFAULT_SUFFIX
+
+
+def test_storage_info() -> None:
+    info = ti.storage_info("__0_1.distcp", 64, 128, ["areal.raw/1"])
+    again = pickle.loads(pickle.dumps(info))  # what .metadata holds
+    assert (again.relative_path, again.offset, again.length, again.transform_descriptors) == \
+        ("__0_1.distcp", 64, 128, ["areal.raw/1"])
+    assert ti.storage_info("f", 0, 1).transform_descriptors is None  # a torch.save item, as DCP writes it
+
+
+def test_fsspecfilesystem(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    writer = FsspecWriter(f"file://{tmp_path}/ckpt")
+    assert isinstance(writer.fs, ti.FsspecFileSystem)
+    for method in ("create_stream", "init_path", "mkdir", "rename", "exists", "rm_file", "concat_path"):
+        assert callable(getattr(ti.FsspecFileSystem, method)), method
+
+
+def _cached_save(tmp_path: Path, key: str) -> DefaultSavePlanner:
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    ti.set_plan_cache_key(planner, key)
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / key, planner=planner, no_dist=True)
+    return planner
+
+
+def test_set_plan_cache_key(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    _cached_save(tmp_path, "pin-key")
+    assert "pin-key" in SavePlanner._cached_save_plan and "pin-key" in SavePlanner._cached_metadata
+    ti.drop_plan_cache("pin-key")
+
+
+def test_cached_save_plan(tmp_path: Path) -> None:
+    planner = _cached_save(tmp_path, "pin-cached")
+    plan = ti.cached_save_plan(planner)
+    assert [item.index.fqn for item in plan.items] == ["w"]
+    ti.drop_plan_cache("pin-cached")
+
+
+def test_send_changed_plan(tmp_path: Path) -> None:
+    planner = _cached_save(tmp_path, "pin-send")
+    plan = ti.cached_save_plan(planner)
+    ti.send_changed_plan(planner, plan)
+    assert planner.plan is plan and planner._pending_local_plan is plan  # what DefaultSavePlanner caches
+    ti.drop_plan_cache("pin-send")
+
+
+def test_drop_plan_cache(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    _cached_save(tmp_path, "pin-drop")
+    caches = [c for c in vars(SavePlanner).values() if isinstance(c, dict) and "pin-drop" in c]
+    assert len(caches) >= 4  # every class-level cache that filed this key
+    ti.drop_plan_cache("pin-drop")
+    assert not any(isinstance(c, dict) and "pin-drop" in c for c in vars(SavePlanner).values())
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_sharded_tensor_types() -> None:
+    sharded, shard = ti.sharded_tensor_types()
+    assert sharded.__name__ == "ShardedTensor" and shard.__name__ == "Shard"
+    assert callable(sharded.local_shards) and callable(sharded.metadata)
+
+
+def test_rebuild_sharded_tensor(one_rank_group) -> None:
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+    from torch.distributed._shard.sharded_tensor.metadata import ShardMetadata
+
+    sharded_cls, shard_cls = ti.sharded_tensor_types()
+    local = shard_cls(torch.arange(6.0).view(2, 3), ShardMetadata([0, 0], [2, 3], "rank:0/cpu"))
+    source = init_from_local_shards([local], [2, 3])
+    copy = shard_cls(local.tensor.clone() + 1, local.metadata)
+    rebuilt = ti.rebuild_sharded_tensor([copy], source.metadata(), source)
+    assert isinstance(rebuilt, sharded_cls) and rebuilt.size() == source.size()
+    assert torch.equal(rebuilt.local_shards()[0].tensor, local.tensor + 1)
+
+
+def test_pin_memory() -> None:
+    from torch.utils.data._utils import pin_memory as module
+
+    assert hasattr(module, "_pin_memory_loop")  # the DataLoader's pin-memory thread calls this function
+    batch = {"text": ["a", "b"], "n": 3}
+    assert ti.pin_memory(batch) == batch  # non-tensors pass through; tensors need an accelerator to pin
+
+
+def test_compiled_segment() -> None:
+    compiled = torch.compile(torch.nn.Linear(2, 2))  # wrapping only: nothing is compiled until called
+    assert all(key.startswith(f"{ti.COMPILED_SEGMENT}.") for key in compiled.state_dict())
+
+
+def test_original_module() -> None:
+    module = torch.nn.Linear(2, 2)
+    assert ti.original_module(torch.compile(module)) is module
+
+
+def test_index_sampler() -> None:
+    batched = DataLoader(list(range(6)), batch_size=2)
+    assert ti.index_sampler(batched) is batched.batch_sampler
+    unbatched = DataLoader(list(range(6)), batch_size=None)
+    assert ti.index_sampler(unbatched) is unbatched.sampler
+
+
+def test_loader_subclass() -> None:
+    seen = []
+
+    def index_sampler(loader, inner):
+        seen.append("sampler")
+        return [[5, 4], [3, 2]] if inner is not None else inner
+
+    def make_iterator(loader, build):
+        seen.append("iterator")
+        return build()
+
+    loader = DataLoader(list(range(6)), batch_size=2)
+    sub = ti.loader_subclass(DataLoader, "Probe", {"marker": True}, index_sampler=index_sampler,
+                             make_iterator=make_iterator)
+    assert sub.marker and sub.__mro__[1] is DataLoader
+    ti.swap_class(loader, sub)
+    assert [b.tolist() for b in loader] == [[5, 4], [3, 2]]  # torch's iterators read the index sampler
+    assert seen[0] == "iterator" and "sampler" in seen
+
+
+def test_swap_class() -> None:
+    loader = DataLoader(list(range(4)), batch_size=2)
+    sub = type("Sub", (DataLoader,), {})
+    ti.swap_class(loader, sub)
+    assert type(loader) is sub and [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    ti.swap_class(loader, DataLoader)
+    assert type(loader) is DataLoader
