@@ -26,6 +26,10 @@ Why each is needed (public torch has no equivalent):
   ``_process_group``.
 * a batch carrying its worker's RNG states is pinned by the DataLoader's pin-memory thread
   through ``torch.utils.data._utils.pin_memory.pin_memory`` (what the DataLoader itself calls).
+* DCP's event logger (``torch.distributed.checkpoint.logger._dcp_logger``) is created at
+  DEBUG level with only a ``NullHandler`` and no propagation: every planning call of every
+  item builds and discards two log records in the caller's (training) thread. Where nobody
+  listens (no other handler) it is raised to INFO, which drops nothing anyone could see.
 * ``torch.compile``'s ``OptimizedModule`` holds the user's module as ``_orig_mod`` only.
 * the exact data position: torch's DataLoader iterators read indices from
   ``DataLoader._index_sampler`` and are built by ``DataLoader._get_iterator``; a tracked loader
@@ -45,12 +49,12 @@ from torch.distributed.checkpoint.planner import SavePlanner
 __all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "set_plan_cache_key", "cached_save_plan",
            "send_changed_plan", "drop_plan_cache",
            "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
-           "index_sampler", "loader_subclass", "swap_class"]
+           "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log"]
 
 PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_cached_all_plans",
                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan", "_cached_plans_key", "_pending_local_plan", "_shard",
                  "_init_from_local_shards_and_global_metadata", "_process_group", "_utils", "_orig_mod",
-                 "_index_sampler", "_get_iterator")
+                 "_index_sampler", "_get_iterator", "_dcp_logger")
 """torch's private names used here (and nowhere else in the package)."""
 
 DATA_SUFFIX = ".distcp"
@@ -64,6 +68,22 @@ COMPILED_SEGMENT = "_orig_mod"
 
 _PLAN_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
                 "_cached_final_save_plan")
+
+
+def quiet_dcp_debug_log() -> bool:
+    """Raise DCP's event logger from DEBUG to INFO where its records go nowhere (only
+    ``NullHandler`` s, no propagation); returns whether it did. A user who attached a handler
+    keeps the DEBUG events."""
+    import logging
+
+    from torch.distributed.checkpoint import logger as dcp_logging
+
+    events = dcp_logging._dcp_logger
+    if events.propagate or not all(isinstance(h, logging.NullHandler) for h in events.handlers) \
+            or events.getEffectiveLevel() >= logging.INFO:
+        return False
+    events.setLevel(logging.INFO)
+    return True
 
 
 def storage_info(relative_path: str, offset: int, length: int, descriptors: Sequence[str] | None = None) -> Any:

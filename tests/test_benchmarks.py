@@ -62,3 +62,27 @@ def test_convert_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     assert all(r["wall_s"] > 0 and r["peak_rss_mb"] >= 0 for r in doc["results"])
     assert doc["sizes"]["checkpoint_mb"] > doc["sizes"]["weights_mb"] > doc["sizes"]["largest_tensor_mb"] > 0
     assert "peak anon MB" in proc.stdout
+
+
+def test_many_tensors_benchmark_runs_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "many.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "many_tensors.py"), "--mb", "1", "--counts",
+                           "4,64", "--repeats", "1", "--workdir", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert [r["count"] for r in doc["results"]] == [4, 64]
+    assert set(doc["ratios"]) == {"dcp_sync", "dcp_load", "torch_save", "torch_load"}
+    assert all(r[m] > 0 for r in doc["results"] for m in doc["ratios"])
+    assert "64/4" in proc.stdout
+
+
+def test_checkpoint_io_benchmark_runs_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "checkpoint_io.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_io.py"), "--size-mb", "16",
+                           "--repeats", "1", "--workdir", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert {"raw_fsync", "dcp_sync", "dcp_async", "dcp_load", "raw_read"} <= {r["method"] for r in doc["results"]}
+    assert "dcp_sync durable / raw_fsync" in proc.stdout

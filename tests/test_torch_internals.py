@@ -174,3 +174,25 @@ def test_swap_class() -> None:
     assert type(loader) is sub and [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     ti.swap_class(loader, DataLoader)
     assert type(loader) is DataLoader
+
+
+def test_quiet_dcp_debug_log() -> None:
+    import logging
+
+    from torch.distributed.checkpoint import logger as dcp_logging
+
+    events = dcp_logging._dcp_logger
+    level = events.level
+    try:
+        events.setLevel(logging.DEBUG)  # as torch creates it, with a NullHandler only
+        assert not events.propagate and all(isinstance(h, logging.NullHandler) for h in events.handlers)
+        assert ti.quiet_dcp_debug_log() and not events.isEnabledFor(logging.DEBUG)
+        events.setLevel(logging.DEBUG)
+        listener = logging.StreamHandler()
+        events.addHandler(listener)  # somebody listens: left as it is
+        try:
+            assert not ti.quiet_dcp_debug_log() and events.isEnabledFor(logging.DEBUG)
+        finally:
+            events.removeHandler(listener)
+    finally:
+        events.setLevel(level)

@@ -124,6 +124,7 @@ from areal_lightning._torch_internals import (
     FsspecFileSystem,
     cached_save_plan,
     drop_plan_cache,
+    quiet_dcp_debug_log,
     send_changed_plan,
     set_plan_cache_key,
     storage_info,
@@ -810,6 +811,7 @@ class DCPEngine:
             raise ValueError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         self.thread_count = thread_count
         self.collective = collective
+        quiet_dcp_debug_log()  # per-item DEBUG records nobody receives, built in the training thread
         self.ranks = CheckpointGroup(collective_timeout)
         """The dedicated gloo group (with its own timeout) of collective saves."""
         self.storage_options: dict[str, Any] = {}

@@ -1,0 +1,115 @@
+"""Fixed costs per item: the same bytes in 20 tensors and in 2,000, saved and loaded.
+
+Usage::
+
+    python benchmarks/many_tensors.py --mb 64 --json benchmarks/results/many_tensors.json [--repeats 5] [--workdir /dev/shm]
+
+A checkpoint of ``--mb`` MB of fp32 tensors, split into ``--counts`` tensors (default 20 and
+2000), written and read by each method; medians over interleaved repeats, after one warm-up
+save per method (a training run's saves after the first reuse DCP's cached plan):
+
+  dcp_sync     ``DCPEngine.save``: durable and committed when it returns
+  dcp_load     ``DCPEngine.load`` into a template of the same tensors (what a resume does)
+  torch_save   ``torch.save`` of the same dict + fsync (the peer)
+  torch_load   ``torch.load`` of it
+
+The point is the ratio ``many / few`` of each method (target for ours: <= 1.10): what a save
+or a load pays per tensor, beyond its bytes. A table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from areal_lightning.write.dcp import DCPEngine  # noqa: E402
+
+METHODS = ("dcp_sync", "dcp_load", "torch_save", "torch_load")
+
+
+def state_of(mb: int, count: int) -> dict[str, Any]:
+    """``mb`` MB of fp32 in ``count`` equal tensors, as a model's state dict."""
+    numel = max(1, mb * 2**20 // 4 // count)
+    gen = torch.Generator().manual_seed(count)
+    return {"state_dict": {f"layer{i}.weight": torch.randn(numel, generator=gen) for i in range(count)}, "step": 1}
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _fsynced_save(state: dict[str, Any], path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def measure(mb: int, counts: list[int], repeats: int, workdir: Path) -> dict[int, dict[str, float]]:
+    """Median seconds per method and count."""
+    engine = DCPEngine()
+    states = {count: state_of(mb, count) for count in counts}
+    templates = {count: {"state_dict": {k: torch.empty_like(v) for k, v in s["state_dict"].items()}}
+                 for count, s in states.items()}
+    times: dict[int, dict[str, list[float]]] = {count: {m: [] for m in METHODS} for count in counts}
+    for count in counts:  # warm-up: plans cached, files exist
+        engine.save(states[count], workdir / f"dcp{count}")
+        _fsynced_save(states[count], workdir / f"t{count}.pt")
+    for _ in range(repeats):
+        for count in counts:
+            dcp, pt = workdir / f"dcp{count}", workdir / f"t{count}.pt"
+            row = times[count]
+            shutil.rmtree(dcp)
+            row["dcp_sync"].append(_timed(lambda: engine.save(states[count], dcp)))
+            row["dcp_load"].append(_timed(lambda: engine.load(dcp, template=templates[count])))
+            row["torch_save"].append(_timed(lambda: _fsynced_save(states[count], pt)))
+            row["torch_load"].append(_timed(lambda: torch.load(pt, weights_only=True)))
+    engine.close()
+    return {count: {m: statistics.median(v) for m, v in row.items()} for count, row in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=int, default=64, help="MB of fp32 tensors per checkpoint")
+    parser.add_argument("--counts", default="20,2000", help="tensor counts to compare, few first")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; medians are reported")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write (e.g. /dev/shm)")
+    parser.add_argument("--json", type=Path, required=True, help="where to write the results JSON")
+    args = parser.parse_args(argv)
+    counts = [int(c) for c in args.counts.split(",")]
+    if args.mb < 1 or args.repeats < 1 or len(counts) < 2 or min(counts) < 1:
+        parser.error("--mb and --repeats must be >= 1, --counts two or more counts >= 1")
+    workdir = Path(tempfile.mkdtemp(prefix="many_tensors_", dir=args.workdir))
+    try:
+        rows = measure(args.mb, counts, args.repeats, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    few, many = counts[0], counts[-1]
+    ratios = {m: rows[many][m] / rows[few][m] for m in METHODS}
+    print(f"{args.mb} MB in {few} vs {many} tensors at {workdir.parent} (median of {args.repeats})")
+    print(f"{'method':<12}" + "".join(f"{f'{c} tensors s':>16}" for c in counts) + f"{f'{many}/{few}':>12}")
+    for m in METHODS:
+        print(f"{m:<12}" + "".join(f"{rows[c][m]:>16.4f}" for c in counts) + f"{ratios[m]:>12.2f}")
+    print(f"target: dcp_sync and dcp_load {many}/{few} <= 1.10")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"config": {"mb": args.mb, "counts": counts, "repeats": args.repeats,
+                                                "workdir": str(workdir.parent)},
+                                     "results": [{"count": c, **rows[c]} for c in counts],
+                                     "ratios": ratios}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
