@@ -198,7 +198,7 @@ def read_item(file: BinaryIO, path: Path, info: Any, key: str) -> bytes:
     data = file.read(info.length)
     if len(data) != info.length:
         raise CheckpointCorruptError(
-            f"{path} is truncated: {key!r} needs bytes {info.offset}..{info.offset + info.length} but the file "
+            f"{path} is truncated: '{key}' needs bytes {info.offset}..{info.offset + info.length} but the file "
             f"ends at {info.offset + len(data)}; the checkpoint is damaged: restore the file, or delete the checkpoint")
     return data
 
@@ -212,6 +212,6 @@ def check_item(data: Any, path: Path, info: Any, key: str) -> bool:
         return False
     if crc32c(data) != want:
         raise CheckpointCorruptError(
-            f"{path} fails its CRC32C check in {key!r} (bytes {info.offset}..{info.offset + info.length}): the file "
+            f"{path} fails its CRC32C check in '{key}' (bytes {info.offset}..{info.offset + info.length}): the file "
             "was altered after it was written; the checkpoint is damaged: restore the file, or delete the checkpoint")
     return True

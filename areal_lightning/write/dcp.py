@@ -427,16 +427,24 @@ class _CachingSavePlanner(DefaultSavePlanner):
     the cached one but for a tensor's dtype (which DCP's comparison ignores, and which the
     cached metadata would then misrecord) is sent as changed."""
 
-    def __init__(self, cache_key: str) -> None:
+    def __init__(self, cache_key: str, checked: dict[str, tuple[Any, dict[str, Any]]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, enable_plan_caching=True)
         set_plan_cache_key(self, cache_key)
+        self._key = cache_key
+        self._checked = checked  # the engine's: cache key -> (cached plan, the dtypes it was checked for)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         if plan.usable:
             return plan
+        cached = cached_save_plan(self)
+        dtypes = {key: getattr(value, "dtype", None) for key, value in self.state_dict.items()}
+        seen = self._checked.get(self._key)
+        if seen is not None and seen[0] is cached and seen[1] == dtypes:
+            return plan  # the dtypes this very cached plan was checked against: no second plan
         fresh = create_default_local_save_plan(self.state_dict, self.is_coordinator)
-        if _dtypes(fresh) == _dtypes(cached_save_plan(self)):
+        if _dtypes(fresh) == _dtypes(cached):
+            self._checked[self._key] = (cached, dtypes)
             return plan
         send_changed_plan(self, fresh)
         return fresh
@@ -548,6 +556,7 @@ class _AdoptingReader(FileSystemReader):
         self.stats = Read()
         self.failure: CheckpointCorruptError | None = None
         self.threads = _READ_THREADS  # files read at once (1: one item's buffers at a time)
+        self._metadata: Metadata | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -557,6 +566,19 @@ class _AdoptingReader(FileSystemReader):
             if isinstance(md, TensorStorageMetadata):
                 for chunk in md.chunks:
                     self._chunks[(fqn, tuple(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id:
+            self._metadata = None
+        super().reset(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``.metadata``, unpickled once per reader (``dcp.load`` asks again after the engine did)."""
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
 
     def chunk(self, index: Any) -> tuple[torch.Size, torch.dtype]:
         """The shape and dtype of the saved chunk at DCP's storage ``index`` (a ``MetadataIndex``)."""
@@ -599,7 +621,7 @@ class _AdoptingReader(FileSystemReader):
         sizes, dtype = self.chunk(item.storage_index)
         if sizes.numel() * dtype.itemsize != info.length:
             raise CheckpointCorruptError(
-                f"{path}: {key!r} is recorded as {info.length} bytes but its chunk {list(sizes)} of {dtype} holds "
+                f"{path}: '{key}' is recorded as {info.length} bytes but its chunk {list(sizes)} of {dtype} holds "
                 f"{sizes.numel() * dtype.itemsize}; the checkpoint's .metadata is damaged")
         whole = not any(item.storage_offsets) and list(item.lengths) == list(sizes)
         dest = planner.resolve_tensor(item).detach() if whole else None
@@ -818,6 +840,7 @@ class DCPEngine:
         """Options of the object-store file system (credentials, endpoint...) for URI paths."""
         self._worker = BackgroundWorker("areal-dcp")
         self._plan_keys: set[str] = set()
+        self._checked_plans: dict[str, tuple[Any, dict[str, Any]]] = {}
         self._serial = next(_ENGINES)
         self.last_written: Written | None = None
         """What this rank wrote in the last save (:class:`~areal_lightning.write.checksum.Written`)."""
@@ -1049,6 +1072,7 @@ class DCPEngine:
             for key in self._plan_keys:
                 drop_plan_cache(key)
             self._plan_keys.clear()
+            self._checked_plans.clear()
             self.ranks.close()
 
     def _planner(self) -> _CachingSavePlanner:
@@ -1058,7 +1082,7 @@ class DCPEngine:
         world = dist.get_world_size() if self.is_collective() else 1
         key = f"areal_lightning:{self._serial}:{world}"  # never reused: a new engine starts uncached on every rank
         self._plan_keys.add(key)
-        return _CachingSavePlanner(key)
+        return _CachingSavePlanner(key, self._checked_plans)
 
     def is_collective(self) -> bool:
         """Whether saves are collective now (``collective`` and more than one rank)."""

@@ -66,7 +66,7 @@ def read_into(file: BinaryIO, dest: torch.Tensor, path: Any, offset: int, key: s
             view[filled:filled + got] = chunk
         if not got:
             raise CheckpointCorruptError(
-                f"{path} is truncated: {key!r} needs bytes {offset}..{offset + need} but the file ends at "
+                f"{path} is truncated: '{key}' needs bytes {offset}..{offset + need} but the file ends at "
                 f"{offset + filled}; the checkpoint is damaged: restore the file, or delete the checkpoint")
         filled += got
     return view
