@@ -73,9 +73,10 @@ DIST_CASES = {
     # gradient buckets as rebuilt after its first iteration).
     # Compared also: the full model and optimizer state after every step (a gradient that differs
     # in its last bit is often absorbed by the weight's rounding, never by Adam's moments).
-    **{f"{strategy}-4-ranks-{where}": (("--devices", "4", "--strategy", strategy, "--freq-steps", freq, "--epochs", "3",
-                                        "--dump-every", "1"), kill)
-       for strategy in ("ddp", "fsdp2") for where, freq, kill in (("mid-epoch", "4", 6), ("epoch-end", "6", 8))},
+    # (Epoch-end positions are covered with 2 ranks; the reduction order does not depend on them.)
+    **{f"{strategy}-4-ranks-mid-epoch": (("--devices", "4", "--strategy", strategy, "--freq-steps", "4", "--epochs",
+                                          "3", "--dump-every", "1"), 6)
+       for strategy in ("ddp", "fsdp2")},
     # the checkpoint of the first step: DDP has not rebuilt its buckets yet (it would at the next
     # forward); the save rebuilds them then, so that the resumed first step uses them too
     "ddp-4-ranks-first-step": (("--devices", "4", "--strategy", "ddp", "--freq-steps", "1", "--epochs", "2",
