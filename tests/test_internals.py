@@ -248,23 +248,30 @@ def test_every_accessor_is_pinned_here() -> None:
     assert not missing, f"accessors of _internals.py without a test_<name> here: {missing}"
 
 
-def test_no_other_module_touches_lightning_private_names() -> None:
-    """Every Lightning private name the package uses appears in _internals.py only."""
-    internals_file = Path(internals.__file__).resolve()
+@pytest.mark.parametrize("library", ["lightning", "torch"])
+def test_no_other_module_touches_the_librarys_private_names(library: str) -> None:
+    """Every Lightning (torch) private name the package uses appears in its adapter module only:
+    lightning/_internals.py (_torch_internals.py). Our own attributes may share a Lightning
+    private's name (``self._version``); none may share a torch private's."""
+    from areal_lightning import _torch_internals
+
+    adapter = internals if library == "lightning" else _torch_internals
+    adapter_file = Path(adapter.__file__).resolve()
     patterns = {name: re.compile(rf"(\.{re.escape(name)}\b|\bimport [^\n]*\b{re.escape(name)}\b)")
-                for name in internals.PRIVATE_NAMES}
+                for name in adapter.PRIVATE_NAMES}
     offenders = []
     for source in sorted(PACKAGE.rglob("*.py")):
-        if source.resolve() == internals_file:
+        if source.resolve() == adapter_file:
             continue
         for lineno, line in enumerate(source.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             for name, pattern in patterns.items():
-                if pattern.search(code) and not re.search(rf"self\.{re.escape(name)}\b", code):
+                own = library == "lightning" and re.search(rf"self\.{re.escape(name)}\b", code)
+                if pattern.search(code) and not own:
                     offenders.append(f"{source.relative_to(PACKAGE.parent)}:{lineno}: {name}: {line.strip()}")
-    assert not offenders, "Lightning private attributes outside lightning/_internals.py:\n" + "\n".join(offenders)
-    text = internals_file.read_text()
-    assert all(name in text for name in internals.PRIVATE_NAMES)
+    assert not offenders, f"{library} private names outside {adapter_file.name}:\n" + "\n".join(offenders)
+    text = adapter_file.read_text()
+    assert all(name in text for name in adapter.PRIVATE_NAMES)
 
 
 # Private names of other libraries than Lightning and torch the package uses, and where.
@@ -272,26 +279,6 @@ OTHER_LIBRARIES_PRIVATE = {
     "_getdtype": "write/hf.py",  # safetensors' dtype names (DCP HF export check)
 }
 ADAPTERS = {"lightning/_internals.py", "_torch_internals.py"}
-
-
-def test_no_other_module_touches_torch_private_names() -> None:
-    """Every torch private name the package uses appears in _torch_internals.py only."""
-    from areal_lightning import _torch_internals
-
-    adapter = Path(_torch_internals.__file__).resolve()
-    patterns = {name: re.compile(rf"(\.{re.escape(name)}\b|\bimport [^\n]*\b{re.escape(name)}\b)")
-                for name in _torch_internals.PRIVATE_NAMES}
-    offenders = []
-    for source in sorted(PACKAGE.rglob("*.py")):
-        if source.resolve() == adapter:
-            continue
-        for lineno, line in enumerate(source.read_text().splitlines(), 1):
-            code = line.split("#", 1)[0]
-            for name, pattern in patterns.items():
-                if pattern.search(code):
-                    offenders.append(f"{source.relative_to(PACKAGE.parent)}:{lineno}: {name}: {line.strip()}")
-    assert not offenders, "torch private names outside _torch_internals.py:\n" + "\n".join(offenders)
-    assert all(name in adapter.read_text() for name in _torch_internals.PRIVATE_NAMES)
 
 
 def _defined_names(trees: dict) -> set[str]:
