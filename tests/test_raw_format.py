@@ -125,3 +125,15 @@ def test_a_partial_read_of_a_saved_chunk_is_narrowed(tmp_path: Path) -> None:
     dest = torch.zeros(3, 6).t()
     loaded = DCPEngine().load(path, template={"w": dest})
     assert torch.equal(dest, w) and loaded["w"] is dest
+
+
+def test_a_quantized_tensor_stays_a_torch_save_item_and_round_trips(tmp_path: Path) -> None:
+    """Tensors that have no plain byte layout (quantized here) are written as DCP writes them."""
+    q = torch.quantize_per_tensor(torch.randn(4, 4), scale=0.1, zero_point=3, dtype=torch.qint8)
+    path = tmp_path / "ckpt"
+    DCPEngine().save({"q": q, "w": torch.ones(3)}, path)
+    infos = {index.fqn: info for index, info in FileSystemReader(path).read_metadata().storage_data.items()}
+    assert infos["q"].transform_descriptors is None and infos["w"].transform_descriptors == [RAW_DESCRIPTOR]
+    loaded = DCPEngine().load(path)
+    assert loaded["q"].is_quantized and torch.equal(loaded["q"].int_repr(), q.int_repr())
+    assert loaded["q"].q_scale() == q.q_scale() and torch.equal(loaded["w"], torch.ones(3))

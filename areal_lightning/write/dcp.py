@@ -154,7 +154,7 @@ from areal_lightning.write.dcp_format import (
     split,
 )
 from areal_lightning.write.durable import fsync_dir
-from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, read_into, tensor_bytes
+from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, read_into, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -382,8 +382,14 @@ class _CommitWriter(FileSystemWriter):
                         tensor = data.detach()
                         if not tensor.is_cpu:
                             tensor = tensor.cpu()
-                        stream.write(tensor_bytes(tensor.contiguous()))
-                        descriptors = [RAW_DESCRIPTOR]
+                        if is_plain(tensor):
+                            stream.write(tensor_bytes(tensor.contiguous()))
+                            descriptors = [RAW_DESCRIPTOR]
+                        else:  # a quantized, sparse or subclass tensor: a torch.save item, as DCP writes one
+                            if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                                tensor = tensor.clone()  # not the whole storage of a view
+                            torch.save(tensor, stream)
+                            descriptors = None
                     length = stream.tell() - offset
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
                                                storage_data=storage_info(name, offset, length, descriptors)))

@@ -23,7 +23,7 @@ import torch
 
 from areal_lightning.errors import CheckpointCorruptError
 
-__all__ = ["RAW_DESCRIPTOR", "is_raw", "tensor_bytes", "read_into"]
+__all__ = ["RAW_DESCRIPTOR", "is_raw", "is_plain", "tensor_bytes", "read_into"]
 
 RAW_DESCRIPTOR = "areal.raw/1"
 """DCP transform descriptor of a tensor item stored as raw row-major bytes (part of the format)."""
@@ -39,6 +39,12 @@ def is_raw(descriptors: Sequence[str] | None) -> bool:
         return True
     raise CheckpointCorruptError(f"item encoded as {list(descriptors)!r}: this version reads {RAW_DESCRIPTOR!r} "
                                  "and torch.save items only (was it written by a newer areal-lightning?)")
+
+
+def is_plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is stored as raw bytes: a plain, dense, unquantized tensor (others,
+    e.g. quantized ones, stay ``torch.save`` items, which every reader takes)."""
+    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_quantized
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
