@@ -196,3 +196,16 @@ def test_quiet_dcp_debug_log() -> None:
             events.removeHandler(listener)
     finally:
         events.setLevel(level)
+
+
+def test_save_flat_state_dict(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter, state_dict_saver
+
+    source = Path(state_dict_saver.__file__).read_text()
+    assert "state_dict=_stateful_to_state_dict(state_dict)" in source  # what dcp.save adds before it
+    metadata = ti.save_flat_state_dict({"w": torch.arange(4.0), "n": 3}, FileSystemWriter(tmp_path / "ckpt"),
+                                       DefaultSavePlanner())
+    assert set(metadata.state_dict_metadata) == {"w", "n"}
+    loaded = {"w": torch.zeros(4)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(4.0))

@@ -112,10 +112,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.state_dict_saver import (
-    AsyncCheckpointerType,
-    AsyncSaveResponse,
-)
 from torch.futures import Future as TorchFuture
 
 from areal_lightning._fault import fault_enabled, fault_point
@@ -125,6 +121,7 @@ from areal_lightning._torch_internals import (
     cached_save_plan,
     drop_plan_cache,
     quiet_dcp_debug_log,
+    save_flat_state_dict,
     send_changed_plan,
     set_plan_cache_key,
     storage_info,
@@ -847,6 +844,7 @@ class DCPEngine:
         self._worker = BackgroundWorker("areal-dcp")
         self._plan_keys: set[str] = set()
         self._checked_plans: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._upload_thread: ThreadPoolExecutor | None = None
         self._serial = next(_ENGINES)
         self.last_written: Written | None = None
         """What this rank wrote in the last save (:class:`~areal_lightning.write.checksum.Written`)."""
@@ -921,7 +919,7 @@ class DCPEngine:
         if not asynchronous:
             error = None
             try:
-                dcp.save(flat, storage_writer=writer, planner=self._planner(), **self._dist_kwargs(background=False))
+                save_flat_state_dict(flat, writer, self._planner(), **self._dist_kwargs(background=False))
             except (Exception, CheckpointException) as exc:
                 raise CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}") from exc
             self.last_written = writer.checksums.written
@@ -938,14 +936,13 @@ class DCPEngine:
             return
         error = None
         try:
-            response = dcp.async_save(
-                flat,
-                storage_writer=writer,
-                planner=self._planner(),
-                async_stager=self._worker.stager,
-                async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                **self._dist_kwargs(background=True),
-            )
+            # What dcp.async_save does with a THREAD checkpointer (the host copy in the
+            # stager's thread, then DCP's save of the copy in one background thread), without
+            # its per-value Stateful pass in this, the training, thread.
+            staged = self._worker.stager.stage(flat)
+            planner, dist_kwargs = self._planner(), self._dist_kwargs(background=True)
+            upload = self._uploads().submit(
+                lambda: save_flat_state_dict(staged.result(), writer, planner, **dist_kwargs))
         except (Exception, CheckpointException) as exc:
             error = CheckpointWriteError(f"checkpoint save to {what} failed to start: {exc!r}")
             error.__cause__ = exc
@@ -955,10 +952,6 @@ class DCPEngine:
             self.ranks.agree(error, f"checkpoint save to {what} (start)")
         elif error is not None:
             raise error
-        if isinstance(response, AsyncSaveResponse):
-            upload, staged = response.upload_completion, response.staging_completion
-        else:  # the stager copied synchronously
-            upload, staged = response, None
         self._worker.track(label, _then(upload, then, what, writer.checksums.written), staged)
         self.last_written = writer.checksums.written  # filled in as the background save runs
         _IN_FLIGHT[_key(label)] = self._worker
@@ -1075,6 +1068,9 @@ class DCPEngine:
         try:
             self._worker.close()
         finally:
+            if self._upload_thread is not None:
+                self._upload_thread.shutdown(wait=True)
+                self._upload_thread = None
             for key in self._plan_keys:
                 drop_plan_cache(key)
             self._plan_keys.clear()
@@ -1090,6 +1086,13 @@ class DCPEngine:
         self._plan_keys.add(key)
         return _CachingSavePlanner(key, self._checked_plans)
 
+    def _uploads(self) -> ThreadPoolExecutor:
+        """The one background thread that runs this engine's async saves (DCP's save of the
+        staged copy, then ``then``); made on first use, ended by :meth:`close`."""
+        if self._upload_thread is None:
+            self._upload_thread = ThreadPoolExecutor(1, thread_name_prefix="areal-dcp-save")
+        return self._upload_thread
+
     def is_collective(self) -> bool:
         """Whether saves are collective now (``collective`` and more than one rank)."""
         return self.collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -1098,7 +1101,7 @@ class DCPEngine:
         if not (dist.is_available() and dist.is_initialized()):
             return {"no_dist": True}
         if not self.is_collective():
-            # Rank-local call. dcp.async_save still checks that its group has a CPU backend.
+            # Rank-local call (DCP's exchanges are skipped; the background one names its group).
             return {"no_dist": True, "process_group": self.ranks.local_group if background else None}
         # DCP's exchanges run on the dedicated gloo groups, bounded by their timeout: sync
         # saves on the training thread's, async ones on the background one (the training
