@@ -32,7 +32,7 @@ import crc32c as _crc32c
 from areal_lightning.errors import CheckpointCorruptError
 
 __all__ = ["ALGORITHM", "ITEM_CHECKSUM", "HashingStream", "ChecksumLog", "Written", "crc32c", "file_checksum", "file_crc32c",
-           "item_checksum", "read_item", "check_item", "manifest_of"]
+           "item_checksum", "truncated", "read_item", "check_item", "manifest_of"]
 
 ALGORITHM = "crc32c"
 """The checksum of every file and item this package records (name used in manifests)."""
@@ -188,6 +188,13 @@ def manifest_of(storage_data: dict[Any, Any], metadata: HashingStream, metadata_
     return dict(sorted(files.items()))
 
 
+def truncated(path: Any, key: str, offset: int, length: int, ends_at: int) -> CheckpointCorruptError:
+    """The error for an item ``key`` of ``length`` bytes at ``offset`` of ``path`` whose file ends at ``ends_at``."""
+    return CheckpointCorruptError(
+        f"{path} is truncated: '{key}' needs bytes {offset}..{offset + length} but the file ends at {ends_at}; "
+        "the checkpoint is damaged: restore the file, or delete the checkpoint")
+
+
 def read_item(file: BinaryIO, path: Path, info: Any, key: str) -> bytes:
     """The bytes of one DCP item, of the recorded length (else :class:`CheckpointCorruptError`
     naming ``path`` and the tensor ``key``); check them with :func:`check_item`.
@@ -197,9 +204,7 @@ def read_item(file: BinaryIO, path: Path, info: Any, key: str) -> bytes:
     file.seek(info.offset)
     data = file.read(info.length)
     if len(data) != info.length:
-        raise CheckpointCorruptError(
-            f"{path} is truncated: '{key}' needs bytes {info.offset}..{info.offset + info.length} but the file "
-            f"ends at {info.offset + len(data)}; the checkpoint is damaged: restore the file, or delete the checkpoint")
+        raise truncated(path, key, info.offset, info.length, info.offset + len(data))
     return data
 
 

@@ -614,6 +614,21 @@ class _AdoptingReader(FileSystemReader):
                 planner.load_tensor(item, _narrowed(tensor, item))
         return stats
 
+    def read_chunk(self, file: Any, path: Any, info: Any, index: Any,
+                   target: torch.Tensor | None = None) -> tuple[torch.Tensor, memoryview]:
+        """Read the raw item ``info`` (the saved chunk at storage ``index``) whole, into
+        ``target`` (contiguous, on the CPU, of the chunk's shape and dtype; allocated when
+        ``None``); returns the tensor and the view of its memory that was filled, whose CRC32C
+        the caller checks. A recorded length that is not the chunk's size is refused."""
+        sizes, dtype = self.chunk(index)
+        if sizes.numel() * dtype.itemsize != info.length:
+            raise CheckpointCorruptError(
+                f"{path}: '{index.fqn}' is recorded as {info.length} bytes but its chunk {list(sizes)} of {dtype} "
+                f"holds {sizes.numel() * dtype.itemsize}; the checkpoint's .metadata is damaged")
+        if target is None:
+            target = torch.empty(sizes, dtype=dtype)
+        return target, read_into(file, target, path, info.offset, index.fqn)
+
     def _read_raw(self, file: Any, path: Any, info: Any, item: ReadItem, planner: LoadPlanner, stats: Read) -> None:
         """Read a raw tensor item into its destination's memory (one copy, from the page
         cache), check its CRC32C over that memory, then hand it to the planner. The item is
@@ -622,15 +637,10 @@ class _AdoptingReader(FileSystemReader):
         narrowed and copied from."""
         key = item.storage_index.fqn
         sizes, dtype = self.chunk(item.storage_index)
-        if sizes.numel() * dtype.itemsize != info.length:
-            raise CheckpointCorruptError(
-                f"{path}: '{key}' is recorded as {info.length} bytes but its chunk {list(sizes)} of {dtype} holds "
-                f"{sizes.numel() * dtype.itemsize}; the checkpoint's .metadata is damaged")
         whole = not any(item.storage_offsets) and list(item.lengths) == list(sizes)
         dest = planner.resolve_tensor(item).detach() if whole else None
         direct = type(dest) is torch.Tensor and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
-        target = dest if direct else torch.empty(sizes, dtype=dtype)
-        view = read_into(file, target, path, info.offset, key)
+        target, view = self.read_chunk(file, path, info, item.storage_index, dest if direct else None)
         start = time.perf_counter()
         stats.verified += check_item(view, path, info, key)
         stats.verify_s += time.perf_counter() - start
@@ -796,9 +806,8 @@ def write_stock_copy(path: PathLike, out: Path) -> Read:
         with reader.fs.create_stream(source, "rb") as file, open(out / name, "wb") as target:
             for index, info in sorted(entries, key=lambda entry: entry[1].offset):
                 if is_raw(info.transform_descriptors):
-                    sizes, dtype = reader.chunk(index)
-                    tensor = torch.empty(sizes, dtype=dtype)
-                    check_item(read_into(file, tensor, source, info.offset, index.fqn), source, info, index.fqn)
+                    tensor, view = reader.read_chunk(file, source, info, index)
+                    check_item(view, source, info, index.fqn)
                     buffer = io.BytesIO()
                     torch.save(tensor, buffer)
                     data = buffer.getbuffer()

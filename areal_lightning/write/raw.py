@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import torch
 
 from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.write.checksum import truncated
 
 __all__ = ["RAW_DESCRIPTOR", "is_raw", "is_plain", "tensor_bytes", "read_into"]
 
@@ -71,8 +72,6 @@ def read_into(file: BinaryIO, dest: torch.Tensor, path: Any, offset: int, key: s
             got = len(chunk)
             view[filled:filled + got] = chunk
         if not got:
-            raise CheckpointCorruptError(
-                f"{path} is truncated: '{key}' needs bytes {offset}..{offset + need} but the file ends at "
-                f"{offset + filled}; the checkpoint is damaged: restore the file, or delete the checkpoint")
+            raise truncated(path, key, offset, need, offset + filled)
         filled += got
     return view
