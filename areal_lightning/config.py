@@ -45,6 +45,16 @@ What ``auto`` picks: for DCP saves, async where this build can run background co
 ``DCPCheckpointIO`` (it opted into async checkpointing), else sync. (``recover.mode: auto``
 is another setting: it means ``on``, see :data:`RECOVER_MODES`.)"""
 SAVER_MODES = IO_MODES
+
+ASYNC_EXECUTORS = ("thread", "process")
+"""Where async saves are written (``DCPCheckpointIO`` / ``RecoverCallback`` ``async_executor``)."""
+
+
+def check_async_executor(value: Any, field_name: str = "async_executor") -> str:
+    """Validate an ``async_executor`` value (one of :data:`ASYNC_EXECUTORS`)."""
+    if value not in ASYNC_EXECUTORS:
+        raise ConfigError(field_name, f"unknown executor {value!r}; allowed: {', '.join(ASYNC_EXECUTORS)}")
+    return value
 SHARDED_METHODS = ("gather", "dcp")
 """How ``HFSaverCallback`` exports sharded weights (see :mod:`areal_lightning.hf_export`)."""
 DEFAULT_SHARDED_METHOD = "gather"

@@ -15,6 +15,7 @@ from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage import BackgroundWorker
 from areal_lightning.write import dcp as engine_mod
+from areal_lightning.write import direct
 from areal_lightning.write.dcp import DCPEngine
 
 Point = collections.namedtuple("Point", "x y")
@@ -133,13 +134,18 @@ def test_async_returns_snapshot_not_later_mutations(tmp_path: Path) -> None:
 def _gate_commit(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Hold every commit (our own writer's finish) until the returned event is set."""
     gate = threading.Event()
-    original = engine_mod._CommitWriter.finish
+    original, direct_commit = engine_mod._CommitWriter.finish, direct.commit
 
     def gated_finish(self, metadata, results):  # type: ignore[no-untyped-def]
         assert gate.wait(30), "test gate never opened"
         original(self, metadata, results)
 
-    monkeypatch.setattr(engine_mod._CommitWriter, "finish", gated_finish)
+    def gated_commit(*args):  # type: ignore[no-untyped-def]
+        assert gate.wait(30), "test gate never opened"
+        direct_commit(*args)
+
+    monkeypatch.setattr(engine_mod._CommitWriter, "finish", gated_finish)  # saves DCP plans
+    monkeypatch.setattr(direct, "commit", gated_commit)  # saves that need no plan
     return gate
 
 
@@ -457,17 +463,28 @@ def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path:
         engine.load(path)
 
 
-def test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes(tmp_path: Path) -> None:
-    """DCP's plan comparison ignores dtypes: a cached plan would record the old dtype."""
+@pytest.mark.parametrize("planned", [False, True], ids=["direct", "planned-by-dcp"])
+def test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes(tmp_path: Path, planned: bool) -> None:
+    """DCP's plan comparison ignores dtypes: a cached plan would record the old dtype. The same
+    holds for the layout of a save that needs no plan (plain tensors only); a quantized tensor
+    makes DCP plan the save."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.planner import SavePlanner
 
     engine = DCPEngine()
     state = {"state_dict": {f"w{i}": torch.randn(8) for i in range(20)}}
+    if planned:
+        state["q"] = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    layouts = []
     for i in range(3):
         engine.save(state, tmp_path / f"c{i}")
-    (key,) = engine._plan_keys
-    assert key in SavePlanner._cached_save_plan  # the later saves used the cache
+        layouts.append(engine._layout)
+    if planned:
+        (key,) = engine._plan_keys
+        assert key in SavePlanner._cached_save_plan  # the later saves used the cache
+        assert layouts == [None] * 3
+    else:
+        assert not engine._plan_keys and layouts[0] is not None and layouts.count(layouts[0]) == 3
     state["state_dict"]["w0"] = state["state_dict"]["w0"].double()
     engine.save(state, tmp_path / "dtype")
     recorded = FileSystemReader(tmp_path / "dtype").read_metadata().state_dict_metadata["state_dict.w0"]
@@ -476,5 +493,9 @@ def test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes(tmp_path: P
     state["state_dict"]["new"] = torch.ones(2)
     engine.save(state, tmp_path / "key")
     assert torch.equal(engine.load(tmp_path / "key")["state_dict"]["new"], torch.ones(2))
+    if not planned:
+        assert engine._layout is not layouts[0]
     engine.close()
-    assert key not in SavePlanner._cached_save_plan  # dropped with the engine
+    if planned:
+        assert key not in SavePlanner._cached_save_plan  # dropped with the engine
+    assert engine._layout is None

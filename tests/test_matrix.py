@@ -71,6 +71,9 @@ CASES: dict[str, Case] = {
     # two optimizer steps per batch: global_step 2, 4, ...; checkpoint after batch 3 of epoch 1
     "manual-optimization-actor-critic": Case(Job(manual=True), 10, 8),
     "precision-bf16-mixed": Case(Job(trainer=T(precision="bf16-mixed")), 6, 4),
+    # async recover saves written by the checkpoint process (and by a thread, the default)
+    **{f"async-{executor}-executor": Case(Job(io_mode="async", async_executor=executor), 7, 4)
+       for executor in ("thread", "process")},
     "gradient-clip-val-0.5": Case(Job(trainer=T(gradient_clip_val=0.5)), 6, 4),
     "max-steps-13": Case(Job(epochs=3, trainer=T(max_steps=13)), 10, 8),
     "limit-train-batches-6": Case(Job(epochs=3, trainer=T(limit_train_batches=6)), 9, 8),
@@ -120,6 +123,9 @@ CASES: dict[str, Case] = {
 KILL_CASES: dict[str, Case] = {
     # validation every 3 batches: the one after step 9 ran between the checkpoint and the kill
     "sigkill-single-process-validation": Case(Job(trainer=T(val_check_interval=3)), 10, 8),
+    # async saves written by the checkpoint process, which dies with the training process
+    "sigkill-single-process-async-process-executor": Case(
+        Job(trainer=T(val_check_interval=3), io_mode="async", async_executor="process"), 10, 8),
     # 2 ranks: 5 batches per epoch and rank, 3 epochs, epoch-end validation; checkpoint after
     # step 6 (the first batch of epoch 2), killed at step 7
     "sigkill-ddp-2-ranks": Case(Job(devices=2, epochs=3, freq_steps=3), 7, 6),

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.utils.data import DataLoader
 
 from areal_lightning import _torch_internals as ti
@@ -196,6 +197,17 @@ def test_quiet_dcp_debug_log() -> None:
             events.removeHandler(listener)
     finally:
         events.setLevel(level)
+
+
+def test_load_flat_state_dict(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import state_dict_loader
+
+    source = Path(state_dict_loader.__file__).read_text()
+    assert "elem.state_dict() if isinstance(elem, Stateful) else elem" in source  # what dcp.load adds around it
+    dcp.save({"w": torch.arange(4.0), "n": 3}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    loaded = {"w": torch.zeros(4), "n": 0}
+    ti.load_flat_state_dict(loaded, FileSystemReader(tmp_path / "ckpt"), DefaultLoadPlanner())
+    assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["n"] == 3
 
 
 def test_save_flat_state_dict(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 
 from areal_lightning.commit.atomic import AtomicDir, CommitTarget, clean_leftovers
 from areal_lightning.layout import new_token
-from areal_lightning.config import IO_MODES
+from areal_lightning.config import IO_MODES, check_async_executor
 from areal_lightning.errors import ConfigError
 from areal_lightning.commit.generations import GenerationCommit, Generations, resolve
 from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
@@ -86,6 +86,10 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
             (``dcp.async_save`` with one long-lived stager; one save in flight), or
             ``"auto"`` (async where supported, else sync with one warning).
         thread_count: writer threads; each writes its own ``__0_{i}.distcp`` file.
+        async_executor: where async saves are written: ``"thread"`` (a background thread of
+            this process) or ``"process"`` (a checkpoint process started on the first save:
+            training does not share the GIL with the writer; see
+            :mod:`areal_lightning.write.process` for what it costs and what it covers).
         storage_options: options of the object-store file system for ``s3://`` / ``gs://`` /
             ``az://`` paths (credentials and endpoint otherwise come from the standard
             provider chains, e.g. ``AWS_*`` environment variables). On an object store each
@@ -98,12 +102,13 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
     """
 
     def __init__(self, mode: str = "auto", *, thread_count: int = 2,
-                 storage_options: Optional[dict[str, Any]] = None) -> None:
+                 storage_options: Optional[dict[str, Any]] = None, async_executor: str = "thread") -> None:
         if mode not in IO_MODES:
             raise ConfigError("mode", f"DCPCheckpointIO: mode={mode!r} is not allowed; choose one of {', '.join(IO_MODES)}")
+        check_async_executor(async_executor)
         self._mode = mode
         self._resolved: str | None = None
-        self._engine = DCPEngine(thread_count=thread_count)
+        self._engine = DCPEngine(thread_count=thread_count, async_executor=async_executor)
         self._engine.storage_options = validate_options(storage_options)
         self._staging_waiters = 0
 

@@ -24,6 +24,7 @@ from areal_lightning.config import (
     ExperimentConfig,
     RecoverConfig,
     as_experiment,
+    check_async_executor,
     validate_model_name,
 )
 from areal_lightning.errors import ConfigError
@@ -96,6 +97,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             (also the LightningModule's ``on_resume(trainer, step_info)`` if defined).
         io_mode: ``auto``, ``sync`` or ``async``: how the recover checkpoints are written (when
             the user passed a ``DCPCheckpointIO`` plugin, its mode is used).
+        async_executor: ``thread`` or ``process``: where async recover saves are written (see
+            ``DCPCheckpointIO``; a user's own ``DCPCheckpointIO`` plugin keeps its own).
         name: the model folder holding ``recover_checkpoint/``.
         collective_timeout: seconds any checkpoint collective waits for the other ranks
             (setup checks, the agreement before each save, DCP's exchanges) before every
@@ -143,6 +146,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         retries: int = 3,
         on_resume: Callable[["pl.Trainer", "pl.LightningModule", StepInfo], None] | None = None,
         io_mode: str = "auto",
+        async_executor: str = "thread",
         name: str = "default",
         weights_only: bool = True,
         collective_timeout: float = DEFAULT_TIMEOUT_S,
@@ -163,6 +167,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         ).validate()
         if io_mode not in IO_MODES:
             raise ConfigError("io_mode", f"unknown mode {io_mode!r}; allowed: {', '.join(IO_MODES)}")
+        self.async_executor = check_async_executor(async_executor)
         if on_resume is not None and not callable(on_resume):
             raise ConfigError("on_resume", f"expected a callable fn(trainer, module, step_info), got {on_resume!r}")
         signals = parse_signals(exp.recover.preempt_signals)
@@ -233,7 +238,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self._trainer = trainer
         self._session = RecoverSession(
             trainer, store=self.store, state=self.state, telemetry=self.telemetry, experiment=self.experiment,
-            schedule=self.schedule, io_mode=self.io_mode, weights_only=self.weights_only,
+            schedule=self.schedule, io_mode=self.io_mode, async_executor=self.async_executor, weights_only=self.weights_only,
             collective_timeout=self.collective_timeout, save=lambda: self.save(trainer),
             stop=lambda: self._stop_preempted(trainer))
         self._session.setup()

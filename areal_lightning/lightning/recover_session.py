@@ -104,7 +104,8 @@ def _is_dcp_dir(path: Any, storage_options: Any = None) -> bool:
         return False
 
 
-def recover_io(trainer: Any, io_mode: str, storage_options: Any = None) -> tuple[DCPCheckpointIO, bool]:
+def recover_io(trainer: Any, io_mode: str, storage_options: Any = None,
+               async_executor: str = "thread") -> tuple[DCPCheckpointIO, bool]:
     """The ``DCPCheckpointIO`` the recover checkpoints go through, and whether it is the
     Trainer's own: the user passed ``plugins=[DCPCheckpointIO()]`` (their checkpoints are DCP
     too, and the strategy is bridged for the whole run); otherwise a private one, used only
@@ -115,7 +116,7 @@ def recover_io(trainer: Any, io_mode: str, storage_options: Any = None) -> tuple
         if storage_options and not io.engine.storage_options:
             io.engine.storage_options = dict(storage_options)
         return io, True
-    return DCPCheckpointIO(io_mode, storage_options=storage_options), False
+    return DCPCheckpointIO(io_mode, storage_options=storage_options, async_executor=async_executor), False
 
 
 class RecoverSession:
@@ -128,7 +129,7 @@ class RecoverSession:
     """
 
     def __init__(self, trainer: Any, *, store: RecoverStore, state: RecoverState, telemetry: Telemetry,
-                 experiment: Any, schedule: SaveSchedule, io_mode: str, weights_only: bool,
+                 experiment: Any, schedule: SaveSchedule, io_mode: str, async_executor: str, weights_only: bool,
                  collective_timeout: float, save: Callable[[], None], stop: Callable[[], None]) -> None:
         self.trainer = trainer
         self.store = store
@@ -140,7 +141,8 @@ class RecoverSession:
         self.collective_timeout = collective_timeout
         self._save_requested = save
         self._stop = stop
-        self.io, self._trainer_io = recover_io(trainer, io_mode, getattr(store, "storage_options", None))
+        self.io, self._trainer_io = recover_io(trainer, io_mode, getattr(store, "storage_options", None),
+                                               async_executor)
         self.plan: ResumePlan | None = None
         self.hf_meta = None if store.remote else HFMetaRecorder(store.layout.trial_dir)
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint

@@ -120,6 +120,7 @@ from areal_lightning._torch_internals import (
     FsspecFileSystem,
     cached_save_plan,
     drop_plan_cache,
+    load_flat_state_dict,
     quiet_dcp_debug_log,
     save_flat_state_dict,
     send_changed_plan,
@@ -150,7 +151,9 @@ from areal_lightning.write.dcp_format import (
     slot_globals,
     split,
 )
+from areal_lightning.write import direct
 from areal_lightning.write.durable import fsync_dir
+from areal_lightning.write.process import ASYNC_EXECUTORS, CheckpointProcess
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, read_into, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -276,11 +279,11 @@ class _CommitWriter(FileSystemWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._device = cuda_device()  # of the training thread (an async save runs in DCP's thread)
+        self.device = cuda_device()  # of the training thread (an async save runs in a background thread)
         self.checksums = ChecksumLog()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        bind_thread_to(self._device)
+        bind_thread_to(self.device)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         fault_point("engine.after_staging")
 
@@ -502,13 +505,17 @@ class _TemplateLoadPlanner(DefaultLoadPlanner):
         self.refused: pickle.UnpicklingError | None = None
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.store_bytes(read_item.dest_index.fqn, value)
+
+    def store_bytes(self, fqn: str, value: io.BytesIO) -> None:
+        """Unpickle the byte item ``fqn`` (the skeleton) with the caller's ``weights_only``."""
         try:
             with torch.serialization.safe_globals(slot_globals()):
                 if self._weights_only is False:  # the caller's explicit choice (trusted storage)
                     obj = _load_trusted(value)
                 else:  # None (default) and True: weights-only, whatever torch's default is
                     obj = torch.load(value, weights_only=True)
-            self.state_dict[read_item.dest_index.fqn] = obj
+            self.state_dict[fqn] = obj
         except pickle.UnpicklingError as exc:
             self.refused = exc
             raise
@@ -650,6 +657,55 @@ class _AdoptingReader(FileSystemReader):
         else:
             planner.load_tensor(item, _narrowed(target, item))
 
+    def read_whole(self, per_file: dict[str, list[tuple[Any, str, Any]]], planner: "_TemplateLoadPlanner") -> None:
+        """A load that needs no planning (:func:`~areal_lightning.write.direct.whole_reads`):
+        each raw item read into its destination tensor and checked there, the skeleton
+        unpickled by ``planner``; the files in parallel, each in offset order."""
+
+        def read_file(name: str, entries: list[tuple[Any, str, Any]]) -> Read:
+            stats = Read()
+            entries.sort(key=lambda entry: entry[0].offset)
+            path = self.fs.concat_path(self.path, name)
+            with self.fs.create_stream(path, "rb") as file:
+                for info, key, dest in entries:
+                    if not info.length and dest is not None:
+                        continue  # an empty tensor: nothing to read (as DCP's reader)
+                    try:
+                        if dest is None:
+                            data = read_item(file, path, info, key)
+                        else:
+                            if dest.nbytes != info.length:
+                                raise CheckpointCorruptError(
+                                    f"{path}: '{key}' is recorded as {info.length} bytes but its tensor "
+                                    f"{list(dest.shape)} of {dest.dtype} holds {dest.nbytes}; the checkpoint's "
+                                    ".metadata is damaged")
+                            data = read_into(file, dest, path, info.offset, key)
+                        start = time.perf_counter()
+                        stats.verified += check_item(data, path, info, key)
+                        stats.verify_s += time.perf_counter() - start
+                    except CheckpointCorruptError as exc:
+                        self.failure = self.failure or exc
+                        raise
+                    stats.nbytes += info.length
+                    if dest is None:
+                        planner.store_bytes(key, io.BytesIO(data))
+            return stats
+
+        self._gather(per_file, read_file)
+
+    def _gather(self, per_file: dict[str, list[Any]], read_file: Callable[[str, list[Any]], Read]) -> None:
+        """Run ``read_file`` for every file, ``threads`` at once (reads and CRCs release the GIL), adding up their stats."""
+        if len(per_file) <= 1 or self.threads == 1:
+            results = [read_file(name, entries) for name, entries in per_file.items()]
+        else:
+            with ThreadPoolExecutor(min(len(per_file), self.threads), thread_name_prefix="areal-dcp-read") as pool:
+                jobs = [pool.submit(read_file, name, entries) for name, entries in per_file.items()]
+                results = [job.result() for job in jobs]
+        for stats in results:
+            self.stats.nbytes += stats.nbytes
+            self.stats.verified += stats.verified
+            self.stats.verify_s += stats.verify_s
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture:
         infos = [self.storage_data[item.storage_index] for item in plan.items]
         if not isinstance(planner, _TemplateLoadPlanner) or \
@@ -658,14 +714,7 @@ class _AdoptingReader(FileSystemReader):
         per_file: dict[str, list[tuple[Any, ReadItem]]] = {}
         for info, item in zip(infos, plan.items):
             per_file.setdefault(info.relative_path, []).append((info, item))
-        # The files are read in parallel (reads and CRCs release the GIL), each in offset order.
-        with ThreadPoolExecutor(min(len(per_file), self.threads) or 1, thread_name_prefix="areal-dcp-read") as pool:
-            jobs = [pool.submit(self._read_file, name, entries, planner) for name, entries in per_file.items()]
-            for job in jobs:
-                stats = job.result()
-                self.stats.nbytes += stats.nbytes
-                self.stats.verified += stats.verified
-                self.stats.verify_s += stats.verify_s
+        self._gather(per_file, lambda name, entries: self._read_file(name, entries, planner))
         done: TorchFuture = TorchFuture()
         done.set_result(None)
         return done
@@ -774,7 +823,7 @@ def read_tensors(path: PathLike, into: Mapping[str, torch.Tensor],
     path = check_complete(path, storage_options)
     reader = reader_of(path, storage_options, threads=1)
     try:
-        dcp.load(dict(into), storage_reader=reader, planner=_TemplateLoadPlanner(True, set()), no_dist=True)
+        load_flat_state_dict(dict(into), reader, _TemplateLoadPlanner(True, set()))
     except (Exception, CheckpointException) as exc:
         if reader.failure is not None:
             raise reader.failure from None
@@ -840,10 +889,16 @@ class DCPEngine:
     """
 
     def __init__(self, *, thread_count: int = 2, collective: bool = False,
-                 collective_timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 collective_timeout: float = DEFAULT_TIMEOUT_S, async_executor: str = "thread") -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an integer >= 1, got {thread_count!r}")
+        if async_executor not in ASYNC_EXECUTORS:
+            raise ValueError(f"async_executor must be one of {', '.join(ASYNC_EXECUTORS)}, got {async_executor!r}")
         self.thread_count = thread_count
+        self.async_executor = async_executor
+        """Where async saves that need no plan are written: ``thread`` or ``process``
+        (:mod:`areal_lightning.write.process`); every other async save in a thread."""
+        self._process: CheckpointProcess | None = None
         self.collective = collective
         quiet_dcp_debug_log()  # per-item DEBUG records nobody receives, built in the training thread
         self.ranks = CheckpointGroup(collective_timeout)
@@ -853,6 +908,7 @@ class DCPEngine:
         self._worker = BackgroundWorker("areal-dcp")
         self._plan_keys: set[str] = set()
         self._checked_plans: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._layout: direct.Layout | None = None  # of the last rank-local save of plain tensors
         self._upload_thread: ThreadPoolExecutor | None = None
         self._serial = next(_ENGINES)
         self.last_written: Written | None = None
@@ -928,7 +984,7 @@ class DCPEngine:
         if not asynchronous:
             error = None
             try:
-                save_flat_state_dict(flat, writer, self._planner(), **self._dist_kwargs(background=False))
+                self._write(flat, path, writer, collective, background=False)
             except (Exception, CheckpointException) as exc:
                 raise CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}") from exc
             self.last_written = writer.checksums.written
@@ -945,13 +1001,20 @@ class DCPEngine:
             return
         error = None
         try:
-            # What dcp.async_save does with a THREAD checkpointer (the host copy in the
-            # stager's thread, then DCP's save of the copy in one background thread), without
-            # its per-value Stateful pass in this, the training, thread.
-            staged = self._worker.stager.stage(flat)
-            planner, dist_kwargs = self._planner(), self._dist_kwargs(background=True)
-            upload = self._uploads().submit(
-                lambda: save_flat_state_dict(staged.result(), writer, planner, **dist_kwargs))
+            layout = None
+            if self.async_executor == "process" and not collective and isinstance(path, Path):
+                if self._process is None:
+                    self._process = CheckpointProcess()
+                layout = self._process.layout_for(flat)
+            if layout is not None:
+                staged, upload = self._in_process(flat, path, layout, writer)
+            else:
+                # What dcp.async_save does with a THREAD checkpointer (the host copy in the
+                # stager's thread, then DCP's save of the copy in one background thread), without
+                # its per-value Stateful pass in this, the training, thread.
+                staged = self._worker.stager.stage(flat)
+                upload = self._uploads().submit(
+                    lambda: self._write(staged.result(), path, writer, collective, background=True))
         except (Exception, CheckpointException) as exc:
             error = CheckpointWriteError(f"checkpoint save to {what} failed to start: {exc!r}")
             error.__cause__ = exc
@@ -964,6 +1027,45 @@ class DCPEngine:
         self._worker.track(label, _then(upload, then, what, writer.checksums.written), staged)
         self.last_written = writer.checksums.written  # filled in as the background save runs
         _IN_FLIGHT[_key(label)] = self._worker
+
+    def _in_process(self, flat: dict[str, Any], path: Path, layout: direct.Layout,
+                    writer: _CommitWriter) -> tuple[Future, Future]:
+        """Start an async save written by the checkpoint process: the staging into its segment
+        and then the save, in this engine's background thread; their futures."""
+        process = self._process
+        assert process is not None
+        device = cuda_device()
+        ready = None
+        if device is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # on the caller's current stream: what training queued so far
+        staged: Future = Future()
+
+        def job() -> None:
+            try:
+                process.stage(flat, layout, ready, device)
+            except BaseException as exc:
+                staged.set_exception(exc)
+                raise
+            staged.set_result(None)
+            process.save(path, direct.skeleton_bytes(flat[SKELETON_KEY]), writer.checksums.written)
+
+        return staged, self._uploads().submit(job)
+
+    def _write(self, flat: dict[str, Any], path: Location, writer: _CommitWriter, collective: bool, *,
+               background: bool) -> None:
+        """Save ``flat`` to ``path``: by :mod:`~areal_lightning.write.direct` when it is a
+        rank-local save of plain tensors to a local folder (its layout cached between saves),
+        else by DCP through ``writer``; what was written goes to ``writer.checksums.written``."""
+        if not collective and isinstance(path, Path):
+            key = direct.signature(flat)
+            if key is not None:
+                if self._layout is None or self._layout.key != key:
+                    self._layout = direct.Layout(key, self.thread_count)
+                direct.save(direct.tensors_of(flat), direct.skeleton_bytes(flat[SKELETON_KEY]), path, self._layout,
+                            writer.checksums.written, device=writer.device)
+                return
+        save_flat_state_dict(flat, writer, self._planner(), **self._dist_kwargs(background=background))
 
     def wait_for_staging(self) -> None:
         """Return once the in-flight async save no longer reads the live tensors."""
@@ -1040,9 +1142,14 @@ class DCPEngine:
         planner = _TemplateLoadPlanner(weights_only, allocated)
         self.last_read = reader.stats
         try:
-            # Always rank-local: every rank reads the shared directory into its own template
-            # (DCP reshards from the saved chunks), so loads need no collective.
-            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+            reads = direct.whole_reads(metadata, flat) if isinstance(path, Path) else None
+            if reads is not None:  # every tensor whole into its own destination: nothing to plan
+                planner.state_dict = flat  # what DCP's set_up_planner keeps (store_bytes fills it)
+                reader.read_whole(reads, planner)
+            else:
+                # Always rank-local: every rank reads the shared directory into its own template
+                # (DCP reshards from the saved chunks), so loads need no collective.
+                load_flat_state_dict(flat, reader, planner)
         except (Exception, CheckpointException) as exc:
             if reader.failure is not None:
                 raise reader.failure from None
@@ -1080,10 +1187,14 @@ class DCPEngine:
             if self._upload_thread is not None:
                 self._upload_thread.shutdown(wait=True)
                 self._upload_thread = None
+            if self._process is not None:
+                self._process.close()
+                self._process = None
             for key in self._plan_keys:
                 drop_plan_cache(key)
             self._plan_keys.clear()
             self._checked_plans.clear()
+            self._layout = None
             self.ranks.close()
 
     def _planner(self) -> _CachingSavePlanner:

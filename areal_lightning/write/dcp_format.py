@@ -2,8 +2,8 @@
 
 Tensors are stored under their dotted path (``state_dict.layer.weight``), as a plain
 ``dcp.save`` of the nested dict would name them; every non-tensor part is stored once, as a
-"skeleton" object (the structure with each tensor replaced by a :class:`TensorSlot` naming
-it), which DCP pickles into one byte item under :data:`SKELETON_KEY`. This keeps integer
+"skeleton" object (the structure with each tensor replaced by a :class:`TensorSlot`: the one
+:data:`UNNAMED` slot where the tensor's key is its path, a slot naming the key otherwise), which DCP pickles into one byte item under :data:`SKELETON_KEY`. This keeps integer
 keys (optimizer ``state`` keys), empty containers and container types, which DCP's own
 flattening loses. :func:`split` makes the flat dict, :func:`fill` rebuilds the structure.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "SlotUnpickler", "slot_globals", "split", "fill", "flat_tensors",
+__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "UNNAMED", "SlotUnpickler", "slot_globals", "split", "fill", "flat_tensors",
            "Refusal", "weights_only_refusal"]
 
 SKELETON_KEY = "__areal_lightning_skeleton__"
@@ -31,6 +31,12 @@ class TensorSlot:
     its module and name, see :data:`SLOT_NAMES`)."""
 
     fqn: str
+
+
+UNNAMED = TensorSlot("")
+"""The slot of a tensor whose key is its path (since 0.3.0): one object for all of them, which
+the skeleton's pickle holds once and references after that (a named slot costs the weights-only
+unpickler an object per tensor). :func:`fill` names it again from where it sits."""
 
 
 SLOT_NAMES = ("areal_lightning.write.dcp_format.TensorSlot", "areal_lightning.engine._TensorSlot")
@@ -63,45 +69,47 @@ def split(state: Mapping[str, Any]) -> dict[str, Any]:
     caller's thread, so later mutation of Python state cannot leak into an async save."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(obj: Any, path: tuple[str, ...]) -> Any:
+    def walk(obj: Any, path: tuple[str, ...], by_path: bool) -> Any:
+        # by_path: every dict key on the way is a str or an int, whose str() fill recomputes as is
         if isinstance(obj, torch.Tensor):
             base = ".".join(path)
             fqn, n = base, 1
             while fqn in tensors or fqn == SKELETON_KEY:
                 fqn, n = f"{base}#{n}", n + 1
             tensors[fqn] = obj
-            return TensorSlot(fqn)
+            return UNNAMED if by_path and fqn == base else TensorSlot(fqn)
         if isinstance(obj, _ATOMIC):
             return obj
         if isinstance(obj, dict):
             out = copy.copy(obj)
             for key, value in obj.items():
-                out[key] = walk(value, (*path, str(key)))
+                out[key] = walk(value, (*path, str(key)), by_path and type(key) in (str, int))
             return out
         if isinstance(obj, list):
-            return [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
+            return [walk(v, (*path, str(i)), by_path) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            items = [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
+            items = [walk(v, (*path, str(i)), by_path) for i, v in enumerate(obj)]
             return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
         return copy.deepcopy(obj)
 
-    skeleton = walk(dict(state), ())
+    skeleton = walk(dict(state), (), True)
     return {**tensors, SKELETON_KEY: skeleton}
 
 
-def fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Replace every slot in a freshly loaded skeleton by its tensor (in place where possible)."""
+def fill(obj: Any, tensors: Mapping[str, torch.Tensor], path: tuple[str, ...] = ()) -> Any:
+    """Replace every slot in a freshly loaded skeleton by its tensor (in place where possible);
+    an unnamed slot (:data:`UNNAMED`) is the tensor saved under its path."""
     if isinstance(obj, TensorSlot):
-        return tensors[obj.fqn]
+        return tensors[obj.fqn or ".".join(path)]
     if isinstance(obj, dict):
         for key, value in obj.items():
-            obj[key] = fill(value, tensors)
+            obj[key] = fill(value, tensors, (*path, str(key)))
         return obj
     if isinstance(obj, list):
-        obj[:] = [fill(v, tensors) for v in obj]
+        obj[:] = [fill(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
         return obj
     if isinstance(obj, tuple):
-        items = [fill(v, tensors) for v in obj]
+        items = [fill(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 

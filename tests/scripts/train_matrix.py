@@ -84,6 +84,7 @@ class Job:
     hooks: bool = False  # state changed in every hook of a step (see HookState, Counter, CountingStopper)
     bn: bool = False  # BatchNorm, and the GAN pattern: a forward in train mode at the module's epoch end
     io_mode: str = "sync"  # RecoverCallback(io_mode=...)
+    async_executor: str = "thread"  # RecoverCallback(async_executor=...)
     freq_secs: int | None = None  # seconds trigger on a clock that advances 1 s per optimizer step
 
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -92,7 +93,7 @@ class Job:
     def training_key(self) -> Job:
         """The job without the recover triggers: runs with equal keys train identically."""
         return dataclasses.replace(self, freq_steps=None, freq_epochs=None, fast_forward="sampler", io_mode="sync",
-                                   freq_secs=None)
+                                   freq_secs=None, async_executor="thread")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -504,7 +505,7 @@ class Net(pl.LightningModule):
 def recover_callback(job: Job, root: Path, trace: Trace) -> RecoverCallback:
     rc = RecoverCallback(fileroot=root / "recover", experiment_name="matrix", trial_name="t", user="u",
                          freq_steps=job.freq_steps, freq_epochs=job.freq_epochs, freq_secs=job.freq_secs,
-                         io_mode=job.io_mode, fast_forward=job.fast_forward)
+                         io_mode=job.io_mode, async_executor=job.async_executor, fast_forward=job.fast_forward)
     save = rc.save
 
     def spied_save(trainer: pl.Trainer) -> None:  # notes in the trace where each save happened

@@ -1,0 +1,269 @@
+"""Write: saves and loads that need no planning (a rank's own plain tensors, whole).
+
+DCP plans every save and every load item by item in Python: a save rebuilds its local plan
+to compare it with the cached one, a load builds a read item per tensor and checks every
+value against the ``Stateful`` protocol. For what most checkpoints are -- one process's
+plain tensors, each saved whole, read back into tensors of the same shape -- there is
+nothing to plan. This module does those saves and loads itself, in the same on-disk format
+(DCP's ``.metadata``, raw items of :mod:`areal_lightning.write.raw`, every item's CRC32C);
+everything else (collective saves, DTensor / ShardedTensor shards, resharding loads, object
+stores) goes through DCP.
+
+* :class:`Layout`: the plan of a save, cached between saves: which file and offset each
+  tensor goes to (every file's tensors first, the skeleton last in the first file, so a
+  growing skeleton moves no tensor) and the ``Metadata`` to pickle, built once with its
+  per-item records sharing equal objects (one ``TensorProperties`` per dtype, one
+  ``torch.Size`` per shape): the pickle is about half as big and a third as slow to write
+  and read as DCP's. A save of the same keys, shapes and dtypes reuses it as it is, only
+  the checksums and the skeleton's length change.
+* :func:`save` writes the files (one thread per file, each tensor's bytes CRC32C'd as they
+  are written), fsyncs them, then ``.metadata`` (tmp file, fsync, rename) and the
+  directory, with the engine's fault points, and returns what it wrote
+  (:class:`~areal_lightning.write.checksum.Written`, the manifest on the way).
+* :func:`whole_reads`: for a load, the items of each file when every saved tensor is one
+  whole chunk and its destination a contiguous CPU tensor of that shape and dtype (else
+  ``None``: DCP plans the load).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pickle
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+from areal_lightning._fault import fault_enabled, fault_point
+from areal_lightning._torch_internals import DATA_SUFFIX, storage_info
+from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.stage.host import bind_thread_to
+from areal_lightning.write.checksum import ITEM_CHECKSUM, HashingStream, Written, crc32c, manifest_of
+from areal_lightning.write.dcp_format import SKELETON_KEY
+from areal_lightning.write.durable import fsync_dir
+from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, tensor_bytes
+
+__all__ = ["Layout", "signature", "tensors_of", "save", "commit", "skeleton_bytes", "whole_reads"]
+
+SMALL = 1 << 20
+"""Tensors of fewer bytes than this share one file (see :class:`Layout`)."""
+
+_BUFFER = 1 << 20
+"""Write buffer per file: small tensors are gathered into 1 MiB writes, larger ones written as they are."""
+
+
+def signature(flat: Mapping[str, Any], pinned: bool | None = None) -> tuple[Any, ...] | None:
+    """What a save's layout depends on: each tensor's key, shape, dtype, ``requires_grad`` and
+    pinning (``pinned`` where given: where the bytes are written from), in order; ``None``
+    when ``flat`` is not a skeleton plus plain tensors (then DCP plans the save)."""
+    entries = []
+    for key, value in flat.items():
+        if key == SKELETON_KEY:
+            continue
+        if not (isinstance(value, torch.Tensor) and is_plain(value)):
+            return None
+        entries.append((key, value.shape, value.dtype, value.requires_grad,
+                        value.is_pinned() if pinned is None else pinned))
+    return tuple(entries)
+
+
+@dataclass
+class _Item:
+    key: str
+    offset: int
+    nbytes: int
+    info: Any  # the _StorageInfo pickled into .metadata (its checksum set by each save)
+
+
+class Layout:
+    """Where a save puts each tensor, and the ``Metadata`` it pickles (see module doc)."""
+
+    def __init__(self, key: tuple[Any, ...], thread_count: int) -> None:
+        self.key = key
+        sizes: dict[tuple[int, ...], torch.Size] = {}
+        properties: dict[tuple[Any, ...], TensorProperties] = {}
+
+        def shared(shape: Any) -> torch.Size:
+            return sizes.setdefault(tuple(shape), torch.Size(shape))
+
+        count = max(1, min(thread_count, len(key)))
+        self.files: list[list[_Item]] = [[] for _ in range(count)]
+        ends = [0] * count
+        entries: dict[str, Any] = {}
+        storage: dict[MetadataIndex, Any] = {}
+        # tensors largest first, each to the file with the fewest bytes so far (as DCP splits
+        # them); the small ones all to one file: their cost is per item, in Python, and
+        # writer (or reader) threads sharing it only contend for the GIL (measured)
+        order = sorted(range(len(key)), key=lambda i: key[i][1].numel() * key[i][2].itemsize, reverse=True)
+        placed: dict[int, tuple[int, int, int]] = {}
+        small: int | None = None
+        for i in order:
+            _, shape, dtype, _, _ = key[i]
+            nbytes = shape.numel() * dtype.itemsize
+            if nbytes < SMALL and small is None:
+                small = ends.index(min(ends))
+            index = small if small is not None else ends.index(min(ends))
+            placed[i] = (index, ends[index], nbytes)
+            ends[index] += nbytes
+        for i, (fqn, shape, dtype, requires_grad, pinned) in enumerate(key):  # metadata in the state's order
+            size = shared(shape)
+            zeros = shared((0,) * len(shape))
+            props = properties.setdefault((dtype, requires_grad, pinned), TensorProperties(
+                dtype=dtype, layout=torch.strided, requires_grad=requires_grad,
+                memory_format=torch.contiguous_format, pin_memory=pinned))
+            entries[fqn] = TensorStorageMetadata(properties=props, size=size,
+                                                 chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)])
+            index, offset, nbytes = placed[i]
+            info = storage_info(f"__0_{index}{DATA_SUFFIX}", offset, nbytes, [RAW_DESCRIPTOR])
+            storage[MetadataIndex(fqn, zeros, 0)] = info
+            self.files[index].append(_Item(fqn, offset, nbytes, info))
+        for items in self.files:
+            items.sort(key=lambda item: item.offset)
+        self.skeleton = storage_info(f"__0_0{DATA_SUFFIX}", ends[0], 0)
+        entries[SKELETON_KEY] = BytesStorageMetadata()
+        storage[MetadataIndex(SKELETON_KEY)] = self.skeleton
+        self.metadata = Metadata(state_dict_metadata=entries, planner_data=None, storage_data=storage,
+                                 version=CURRENT_DCP_VERSION)
+
+
+def tensors_of(flat: Mapping[str, Any]) -> Callable[[Any], Any]:
+    """The bytes of each item of a save, read from the tensors of ``flat`` (copied to the CPU
+    first where they are elsewhere): the data source of :func:`save` in this process."""
+
+    def source(item: Any) -> Any:
+        tensor = flat[item.key].detach()
+        if not tensor.is_cpu:
+            tensor = tensor.cpu()
+        return tensor_bytes(tensor.contiguous())
+
+    return source
+
+
+def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Layout, written: Written, *,
+         device: Any = None) -> None:
+    """Write every tensor of ``layout`` (its bytes: ``source(item)``, e.g. :func:`tensors_of`)
+    and the pickled ``skeleton`` into the existing directory ``path`` and commit it
+    (``.metadata`` last), recording what was written in ``written``. A failure of any file is
+    raised once every file is finished, and no ``.metadata`` is written."""
+    faults = fault_enabled()
+    fault_point("engine.after_staging")
+
+    def write_file(index: int) -> tuple[int, float]:
+        bind_thread_to(device)
+        items = layout.files[index]
+        name = f"__0_{index}{DATA_SUFFIX}"
+        hash_s, pos = 0.0, 0
+        if not items and index != 0:
+            return pos, hash_s  # no tensor placed here (empty tensors): no file
+        with open(path / name, "wb", buffering=_BUFFER) as file:
+            for item in items:
+                data = source(item)
+                file.write(data)
+                start = time.perf_counter()
+                setattr(item.info, ITEM_CHECKSUM, crc32c(data))
+                hash_s += time.perf_counter() - start
+                pos += item.nbytes
+            if index == 0:
+                file.write(skeleton)
+                setattr(layout.skeleton, ITEM_CHECKSUM, crc32c(skeleton))
+                pos += len(skeleton)
+            file.flush()
+            os.fsync(file.fileno())
+        if faults:
+            fault_point("engine.after_shard_file")
+        return pos, hash_s
+
+    layout.skeleton.offset = sum(item.nbytes for item in layout.files[0])
+    layout.skeleton.length = len(skeleton)
+    count = len(layout.files)
+    if count == 1:
+        results = [write_file(0)]
+    else:
+        with ThreadPoolExecutor(count, thread_name_prefix="areal-dcp-write") as pool:
+            jobs = [pool.submit(write_file, index) for index in range(count)]
+        failed = [job.exception() for job in jobs if job.exception() is not None]
+        if failed:
+            raise failed[0]
+        results = [job.result() for job in jobs]
+    for pos, hash_s in results:
+        written.nbytes += pos
+        written.hash_s += hash_s
+    written.items = sum(len(items) for items in layout.files) + 1
+
+    commit(path, layout.metadata, written)
+
+
+def commit(path: Path, metadata: Metadata, written: Written) -> None:
+    """Write ``metadata`` as the commit marker of ``path`` (tmp file, fsync, rename, directory
+    fsync), between the fault points ``engine.before_commit`` and ``engine.after_commit``;
+    its size and the manifest go to ``written``."""
+    fault_point("engine.before_commit")
+    metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=str(uuid.uuid4()))
+    tmp = path / f"{COMMIT_MARKER}.tmp"
+    with open(tmp, "wb") as raw:
+        stream = HashingStream(raw)
+        pickle.dump(metadata, stream)
+        stream.tell()  # the whole pickle is one segment (its CRC is the manifest's)
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, path / COMMIT_MARKER)
+    fsync_dir(path)
+    written.nbytes += stream.pos
+    written.files = manifest_of(metadata.storage_data, stream, COMMIT_MARKER)
+    fault_point("engine.after_commit")
+
+
+def skeleton_bytes(skeleton: Any) -> bytes:
+    """The skeleton as the byte item DCP writes (``torch.save`` into a buffer)."""
+    buffer = io.BytesIO()
+    torch.save(skeleton, buffer)
+    return buffer.getvalue()
+
+
+def whole_reads(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, list[tuple[Any, str, Any]]] | None:
+    """The reads of a load that needs no planning, per data file: ``(info, key, dest)`` with
+    ``dest`` the tensor of ``flat`` to fill (``None`` for the skeleton); ``None`` when some
+    tensor is saved in chunks, stored otherwise than raw, or its destination is not a
+    contiguous CPU tensor of its shape and dtype."""
+    infos: dict[str, Any] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn in infos:
+            return None  # several chunks of one tensor
+        infos[index.fqn] = info
+    per_file: dict[str, list[tuple[Any, str, Any]]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        info = infos.get(fqn)
+        if info is None:
+            return None
+        if isinstance(md, BytesStorageMetadata):
+            if fqn != SKELETON_KEY or info.transform_descriptors:
+                return None
+            dest = None
+        else:
+            dest = flat.get(fqn)
+            if len(md.chunks) != 1 or md.chunks[0].sizes != md.size or any(md.chunks[0].offsets) \
+                    or not is_raw(info.transform_descriptors) or not isinstance(dest, torch.Tensor) \
+                    or type(dest) is not torch.Tensor or not dest.is_cpu or dest.dtype != md.properties.dtype \
+                    or dest.shape != md.size or not dest.is_contiguous():
+                return None
+        per_file.setdefault(info.relative_path, []).append((info, fqn, dest))
+    return per_file
+
+

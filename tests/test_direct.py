@@ -1,0 +1,159 @@
+"""Saves and loads that need no planning (areal_lightning.write.direct).
+
+A rank-local save of plain tensors is laid out by the engine itself (layout cached between
+saves) and a load whose tensors are each one whole chunk into a contiguous CPU destination is
+read without DCP's planner. What they write must be what DCP's planner records, they must
+fall back to DCP wherever planning is needed, and a save must fail as a whole.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.write import direct
+from areal_lightning.write.dcp import DCPEngine
+from areal_lightning.write.dcp_format import SKELETON_KEY, UNNAMED, TensorSlot, split
+
+
+def _state(step: int = 3, grown: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "state_dict": {
+            "big": torch.randn(600, 600, generator=gen),  # 1.4 MB: its own file
+            "w": torch.randn(16, 8, generator=gen),
+            "bf16": torch.randn(4, 4, generator=gen).to(torch.bfloat16),
+            "ids": torch.arange(5),
+            "empty": torch.zeros(0, 3),
+            "transposed": torch.randn(3, 5, generator=gen).t(),
+        },
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(7, generator=gen)}},
+                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "log": ["x" * 100] * grown,  # a growing non-tensor part: a longer skeleton
+        "step": step,
+    }
+
+
+def test_a_save_without_plan_records_what_dcps_planner_records(tmp_path: Path) -> None:
+    state = _state()
+    engine = DCPEngine()
+    engine.save(state, tmp_path / "ours")
+    assert engine._layout is not None and not engine._plan_keys  # no DCP plan was made
+    flat = split(state)
+    flat.pop(SKELETON_KEY)
+    dcp.save(flat, checkpoint_id=tmp_path / "stock", planner=DefaultSavePlanner(flatten_state_dict=False),
+             no_dist=True)
+    ours, stock = FileSystemReader(tmp_path / "ours").read_metadata(), FileSystemReader(tmp_path / "stock").read_metadata()
+    assert {k: v for k, v in ours.state_dict_metadata.items() if k != SKELETON_KEY} == stock.state_dict_metadata
+    assert set(ours.storage_data) == set(stock.storage_data) | {next(i for i in ours.storage_data if i.fqn == SKELETON_KEY)}
+    assert ours.version == stock.version and ours.planner_data == stock.planner_data
+    for index, info in ours.storage_data.items():
+        if index.fqn != SKELETON_KEY:
+            md = ours.state_dict_metadata[index.fqn]
+            assert info.length == md.size.numel() * md.properties.dtype.itemsize  # raw bytes: the tensor's size
+    engine.close()
+
+
+def test_the_layout_is_reused_while_the_skeleton_grows_and_every_save_loads(tmp_path: Path) -> None:
+    engine = DCPEngine()
+    offsets = []
+    for step, grown in ((1, 0), (2, 50), (3, 3)):
+        path = tmp_path / f"c{step}"
+        engine.save(_state(step, grown), path)
+        md = FileSystemReader(path).read_metadata()
+        offsets.append({i.fqn: (info.relative_path, info.offset) for i, info in md.storage_data.items()
+                        if i.fqn != SKELETON_KEY})
+        loaded = engine.load(path)
+        expected = _state(step, grown)
+        for key, tensor in expected["state_dict"].items():
+            assert torch.equal(loaded["state_dict"][key], tensor) and loaded["state_dict"][key].dtype == tensor.dtype
+        assert loaded["log"] == expected["log"] and loaded["optimizer"]["state"][0]["step"].item() == step
+    assert offsets[0] == offsets[1] == offsets[2]  # tensors stay where the layout put them
+    assert len({info[0] for info in offsets[0].values()}) == 2  # the big tensor in a file of its own
+    engine.close()
+
+
+def test_a_loaded_template_is_filled_in_place_and_reshaped_destinations_fall_back_to_dcp(tmp_path: Path) -> None:
+    state = _state()
+    engine = DCPEngine()
+    engine.save(state, tmp_path / "c")
+    template = {"state_dict": {k: torch.empty_like(v) for k, v in state["state_dict"].items()}}
+    pointers = {k: v.data_ptr() for k, v in template["state_dict"].items() if v.numel()}
+    loaded = engine.load(tmp_path / "c", template=template)
+    for key, pointer in pointers.items():
+        assert loaded["state_dict"][key].data_ptr() == pointer, key
+        assert torch.equal(loaded["state_dict"][key], state["state_dict"][key])
+    # a non-contiguous destination (DCP plans the load and copies into it)
+    odd = {"state_dict": {"w": torch.empty(8, 16).t()}}
+    loaded = engine.load(tmp_path / "c", template=odd)
+    assert loaded["state_dict"]["w"] is odd["state_dict"]["w"] and torch.equal(odd["state_dict"]["w"], state["state_dict"]["w"])
+    engine.close()
+
+
+def test_the_skeleton_names_a_tensor_by_its_path_only_when_fill_can_tell_it_again(tmp_path: Path) -> None:
+    class Key:  # its str() is not the same in another process
+        def __repr__(self) -> str:
+            return f"Key at {id(self):#x}"
+
+        __str__ = __repr__
+
+    state = {"a": {"b": torch.ones(1), 3: [torch.zeros(2)]}, "b.a": torch.ones(3)}
+    skeleton = split({**state, "a.b": torch.full((1,), 2.0)})[SKELETON_KEY]
+    assert skeleton["a"]["b"] is UNNAMED and skeleton["a"][3][0] is UNNAMED
+    assert skeleton["a.b"] == TensorSlot("a.b#1")  # renamed: named
+    assert split({"k": {Key(): torch.ones(1)}})[SKELETON_KEY]["k"].popitem()[1] != UNNAMED
+    engine = DCPEngine()
+    engine.save({**state, "a.b": torch.full((1,), 2.0)}, tmp_path / "c")
+    loaded = engine.load(tmp_path / "c")
+    assert torch.equal(loaded["a"]["b"], torch.ones(1)) and torch.equal(loaded["a.b"], torch.full((1,), 2.0))
+    assert torch.equal(loaded["a"][3][0], torch.zeros(2)) and torch.equal(loaded["b.a"], torch.ones(3))
+    engine.close()
+
+
+def test_a_failed_file_fails_the_save_and_writes_no_marker(tmp_path: Path) -> None:
+    engine = DCPEngine()
+    path = tmp_path / "c"
+    engine.save(_state(), path)
+    (path / COMMIT_MARKER).unlink()
+    os.remove(path / "__0_1.distcp")
+    os.mkdir(path / "__0_1.distcp")  # the second file cannot be opened for writing
+    with pytest.raises(CheckpointWriteError, match=str(path)):
+        engine.save(_state(), path)
+    assert not (path / COMMIT_MARKER).exists()
+    with pytest.raises(CheckpointCorruptError, match="commit marker"):
+        engine.load(path)
+    engine.close()
+
+
+def test_a_damaged_item_is_named_by_the_load_without_plan(tmp_path: Path) -> None:
+    engine = DCPEngine()
+    path = tmp_path / "c"
+    engine.save(_state(), path)
+    md = FileSystemReader(path).read_metadata()
+    (index, info), = [(i, info) for i, info in md.storage_data.items() if i.fqn == "state_dict.w"]
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + 5)
+        byte = f.read(1)
+        f.seek(info.offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointCorruptError, match=r"fails its CRC32C check in 'state_dict\.w'"):
+        engine.load(path)
+    engine.close()
+
+
+def test_whole_reads_needs_one_whole_chunk_into_a_matching_cpu_tensor(tmp_path: Path) -> None:
+    engine = DCPEngine()
+    engine.save({"w": torch.ones(4, 2)}, tmp_path / "c")
+    md = FileSystemReader(tmp_path / "c").read_metadata()
+    assert direct.whole_reads(md, {"w": torch.empty(4, 2), SKELETON_KEY: None}) is not None
+    for dest in (torch.empty(8), torch.empty(4, 2, dtype=torch.float64), torch.empty(2, 4).t(), None):
+        assert direct.whole_reads(md, {"w": dest, SKELETON_KEY: None}) is None, dest
+    engine.close()
