@@ -157,3 +157,25 @@ def test_whole_reads_needs_one_whole_chunk_into_a_matching_cpu_tensor(tmp_path: 
     for dest in (torch.empty(8), torch.empty(4, 2, dtype=torch.float64), torch.empty(2, 4).t(), None):
         assert direct.whole_reads(md, {"w": dest, SKELETON_KEY: None}) is None, dest
     engine.close()
+
+
+def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> None:
+    engine = DCPEngine()
+    state = _state()
+    pointers = None
+    for step in range(3):
+        engine.save(state, tmp_path / f"c{step}", asynchronous=True)
+        engine.wait_for_staging()
+        expected = {k: v.clone() for k, v in state["state_dict"].items()}
+        for tensor in state["state_dict"].values():
+            tensor.add_(1) if tensor.dtype != torch.bool else None  # the next step changes the weights
+        engine.wait()
+        loaded = engine.load(tmp_path / f"c{step}")
+        for key, tensor in expected.items():
+            assert torch.equal(loaded["state_dict"][key], tensor), key
+        now = {k: v.data_ptr() for k, v in engine.staging_buffers.items() if v.numel()}
+        assert pointers is None or now == pointers  # the same host buffers every save
+        pointers = now
+    assert set(engine.staging_buffers) == set(split(state)) - {SKELETON_KEY}
+    engine.close()
+    assert engine.staging_buffers is None

@@ -22,7 +22,7 @@ import torch
 from areal_lightning._torch_internals import rebuild_sharded_tensor, sharded_tensor_types
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-__all__ = ["HostStager", "staging_options", "bind_thread_to", "cuda_device"]
+__all__ = ["HostStager", "staging_options", "bind_thread_to", "cuda_device", "pin_buffers", "copy_into"]
 
 
 def staging_options() -> StagingOptions:
@@ -53,6 +53,30 @@ def bind_thread_to(device: torch.device | None) -> None:
     there on every rank."""
     if device is not None:
         torch.cuda.set_device(device)
+
+
+def pin_buffers() -> bool:
+    """Whether host staging buffers are page-locked here (on CUDA; see :func:`staging_options`)."""
+    return torch.cuda.is_available()
+
+
+def copy_into(buffers: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], *, ready: Any = None,
+              stream: Any = None) -> None:
+    """Copy each tensor of ``state`` into its buffer of ``buffers`` (same shape and dtype;
+    one ``copy_`` each, no traversal or cache lookups), in the calling thread; returns once
+    the copies are done. On CUDA (``stream`` given) the copies run on ``stream`` after the
+    event ``ready`` recorded on the caller's stream (what training queued before the save)."""
+    with torch.no_grad():
+        if stream is None:
+            for key, buffer in buffers.items():
+                buffer.copy_(state[key].detach())
+            return
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            for key, buffer in buffers.items():
+                buffer.copy_(state[key].detach(), non_blocking=buffer.is_pinned())
+        stream.synchronize()
 
 
 def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[Mapping[str, Any]], dict[str, Any]]]:

@@ -131,7 +131,7 @@ from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import filesystem, is_remote, strip
-from areal_lightning.stage.host import bind_thread_to, cuda_device
+from areal_lightning.stage.host import bind_thread_to, copy_into, cuda_device, pin_buffers
 from areal_lightning.stage.worker import BackgroundWorker
 from areal_lightning.write.checksum import (
     ITEM_CHECKSUM,
@@ -909,6 +909,8 @@ class DCPEngine:
         self._plan_keys: set[str] = set()
         self._checked_plans: dict[str, tuple[Any, dict[str, Any]]] = {}
         self._layout: direct.Layout | None = None  # of the last rank-local save of plain tensors
+        self._buffers: tuple[direct.Layout, dict[str, torch.Tensor]] | None = None  # its async staging buffers
+        self._copy_stream: Any = None  # CUDA: the stream of those copies
         self._upload_thread: ThreadPoolExecutor | None = None
         self._serial = next(_ENGINES)
         self.last_written: Written | None = None
@@ -925,6 +927,12 @@ class DCPEngine:
     def stager(self) -> Any:
         """The :class:`~areal_lightning.stage.HostStager` of this engine's async saves."""
         return self._worker.stager
+
+    @property
+    def staging_buffers(self) -> dict[str, torch.Tensor] | None:
+        """The host buffers async saves that need no plan are staged into (pinned on CUDA;
+        ``None`` before the first one); other async saves stage through :attr:`stager`."""
+        return self._buffers[1] if self._buffers is not None else None
 
     def save(
         self,
@@ -1002,12 +1010,15 @@ class DCPEngine:
         error = None
         try:
             layout = None
-            if self.async_executor == "process" and not collective and isinstance(path, Path):
-                if self._process is None:
-                    self._process = CheckpointProcess()
-                layout = self._process.layout_for(flat)
-            if layout is not None:
-                staged, upload = self._in_process(flat, path, layout, writer)
+            if not collective and isinstance(path, Path):
+                if self.async_executor == "process":
+                    if self._process is None:
+                        self._process = CheckpointProcess()
+                    layout = self._process.layout_for(flat)
+                else:
+                    layout = self._direct_layout(flat, pinned=pin_buffers())
+            if layout is not None:  # a save that needs no plan: staged into buffers of its layout
+                staged, upload = self._staged_save(flat, path, layout, writer)
             else:
                 # What dcp.async_save does with a THREAD checkpointer (the host copy in the
                 # stager's thread, then DCP's save of the copy in one background thread), without
@@ -1028,12 +1039,13 @@ class DCPEngine:
         self.last_written = writer.checksums.written  # filled in as the background save runs
         _IN_FLIGHT[_key(label)] = self._worker
 
-    def _in_process(self, flat: dict[str, Any], path: Path, layout: direct.Layout,
-                    writer: _CommitWriter) -> tuple[Future, Future]:
-        """Start an async save written by the checkpoint process: the staging into its segment
-        and then the save, in this engine's background thread; their futures."""
-        process = self._process
-        assert process is not None
+    def _staged_save(self, flat: dict[str, Any], path: Path, layout: direct.Layout,
+                     writer: _CommitWriter) -> tuple[Future, Future]:
+        """Start an async save that needs no plan: in this engine's background thread, the
+        copy into staging buffers made once per layout (the checkpoint process's segment, or
+        host buffers, pinned on CUDA), then the files, written by the checkpoint process or
+        by this process's writer threads. Returns the staging and the save futures."""
+        process = self._process if self.async_executor == "process" else None
         device = cuda_device()
         ready = None
         if device is not None:
@@ -1043,14 +1055,42 @@ class DCPEngine:
 
         def job() -> None:
             try:
-                process.stage(flat, layout, ready, device)
+                bind_thread_to(device)
+                if device is not None and self._copy_stream is None:
+                    self._copy_stream = torch.cuda.Stream()
+                buffers = process.buffers(layout) if process is not None else self._host_buffers(layout)
+                copy_into(buffers, flat, ready=ready, stream=self._copy_stream if device is not None else None)
             except BaseException as exc:
                 staged.set_exception(exc)
                 raise
             staged.set_result(None)
-            process.save(path, direct.skeleton_bytes(flat[SKELETON_KEY]), writer.checksums.written)
+            skeleton = direct.skeleton_bytes(flat[SKELETON_KEY])
+            if process is not None:
+                process.save(path, skeleton, writer.checksums.written)
+            else:
+                direct.save(direct.tensors_of(buffers), skeleton, path, layout, writer.checksums.written,
+                            device=device)
 
         return staged, self._uploads().submit(job)
+
+    def _host_buffers(self, layout: direct.Layout) -> dict[str, torch.Tensor]:
+        """Host buffers of ``layout``'s tensors, made on its first async save (pinned on CUDA)."""
+        if self._buffers is None or self._buffers[0] is not layout:
+            self._buffers = None  # the old ones go before the new ones are made
+            pin = pin_buffers()
+            self._buffers = (layout, {key: torch.empty(shape, dtype=dtype, pin_memory=pin)
+                                      for key, shape, dtype, _, _ in layout.key})
+        return self._buffers[1]
+
+    def _direct_layout(self, flat: Mapping[str, Any], pinned: bool | None = None) -> direct.Layout | None:
+        """The layout of a save of ``flat`` that needs no plan (reused while the keys, shapes
+        and dtypes stay), or ``None`` when DCP must plan it."""
+        key = direct.signature(flat, pinned)
+        if key is None:
+            return None
+        if self._layout is None or self._layout.key != key:
+            self._layout = direct.Layout(key, self.thread_count)
+        return self._layout
 
     def _write(self, flat: dict[str, Any], path: Location, writer: _CommitWriter, collective: bool, *,
                background: bool) -> None:
@@ -1058,11 +1098,9 @@ class DCPEngine:
         rank-local save of plain tensors to a local folder (its layout cached between saves),
         else by DCP through ``writer``; what was written goes to ``writer.checksums.written``."""
         if not collective and isinstance(path, Path):
-            key = direct.signature(flat)
-            if key is not None:
-                if self._layout is None or self._layout.key != key:
-                    self._layout = direct.Layout(key, self.thread_count)
-                direct.save(direct.tensors_of(flat), direct.skeleton_bytes(flat[SKELETON_KEY]), path, self._layout,
+            layout = self._direct_layout(flat)
+            if layout is not None:
+                direct.save(direct.tensors_of(flat), direct.skeleton_bytes(flat[SKELETON_KEY]), path, layout,
                             writer.checksums.written, device=writer.device)
                 return
         save_flat_state_dict(flat, writer, self._planner(), **self._dist_kwargs(background=background))
@@ -1194,7 +1232,7 @@ class DCPEngine:
                 drop_plan_cache(key)
             self._plan_keys.clear()
             self._checked_plans.clear()
-            self._layout = None
+            self._layout = self._buffers = self._copy_stream = None
             self.ranks.close()
 
     def _planner(self) -> _CachingSavePlanner:

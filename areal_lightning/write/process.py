@@ -7,8 +7,8 @@ plan (:mod:`areal_lightning.write.direct`: one rank's plain tensors to a local f
 written by a long-lived child process instead, as DCP's PROCESS checkpointer does:
 
 * the state is staged into one shared memory segment (``memfd``, not ``/dev/shm``: a
-  container's small ``/dev/shm`` does not limit it), each tensor at its place, by a thread of
-  the training process (after the work the caller queued on its CUDA stream);
+  container's small ``/dev/shm`` does not limit it), each tensor at its place, by the
+  engine's background thread (:func:`~areal_lightning.stage.host.copy_into`);
 * the child, started once (a fresh interpreter running this module: the user's script is
   not imported again, unlike ``multiprocessing``'s spawn) gets the segment's descriptor
   once per layout over a Unix socket, then one short message per save; it writes the files
@@ -47,7 +47,6 @@ import torch
 
 from areal_lightning.config import ASYNC_EXECUTORS
 from areal_lightning.errors import CheckpointWriteError
-from areal_lightning.stage.host import bind_thread_to, cuda_device
 from areal_lightning.write import direct
 from areal_lightning.write.checksum import Written
 
@@ -150,25 +149,14 @@ class CheckpointProcess:
             self._layout = direct.Layout(key, thread_count=2)
         return self._layout
 
-    def stage(self, flat: Mapping[str, Any], layout: direct.Layout, ready: Any = None,
-              device: torch.device | None = None) -> None:
-        """Copy the tensors of ``flat`` into the segment of ``layout`` (made on first use);
-        ``ready``: a CUDA event recorded on the caller's stream, waited for first."""
-        bind_thread_to(device)
+    def buffers(self, layout: direct.Layout) -> dict[str, torch.Tensor]:
+        """The segment of ``layout`` (made on its first save), as one tensor per key to stage into."""
         if self._segment is None or self._segment_layout is not layout:
             if self._segment is not None:
                 self._segment.close()
             self._segment = _Segment(layout)
             self._segment_layout = layout
-        views = self._segment.views
-        if ready is not None:
-            stream = torch.cuda.current_stream()
-            stream.wait_event(ready)
-        with torch.no_grad():
-            for key, view in views.items():
-                view.copy_(flat[key].detach())
-        if ready is not None:
-            torch.cuda.current_stream().synchronize()
+        return self._segment.views
 
     def save(self, path: Path, skeleton: bytes, written: Written) -> None:
         """Have the checkpoint process write the staged state and ``skeleton`` to ``path`` and

@@ -53,9 +53,11 @@ class KillAt(pl.Callback):
 class Report(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         io = next(cb for cb in trainer.callbacks if isinstance(cb, RecoverCallback)).checkpoint_io  # the recover IO
-        stager = io.engine.stager._stager  # the engine's long-lived DefaultStager
+        stager = io.engine.stager._stager  # the engine's long-lived DefaultStager (saves DCP plans)
         pinned = None
-        if stager is not None:
+        if io.engine.staging_buffers is not None:  # saves that need no plan (one process)
+            pinned = all(b.is_pinned() for b in io.engine.staging_buffers.values() if b.nbytes >= 1024)
+        elif stager is not None:
             cache = stager._state_dict_stager._cached_storage_mapping  # source storage -> host buffer
             buffers = [b for b in cache.values() if b.nbytes() >= 1024]
             pinned = bool(buffers) and all(b.is_pinned() for b in buffers)
