@@ -3,13 +3,17 @@
 Plain Python over ``torch.distributed.checkpoint`` (DCP); it knows nothing of Lightning,
 nor of how a written directory is committed (that is :mod:`areal_lightning.commit`).
 
-``DCPEngine(thread_count=2, collective=False)``
+``DCPEngine(thread_count=2, collective=False, async_executor="thread")``
     ``save(state, path, asynchronous=False, then=None)`` writes any nested checkpoint (dicts
     with any key types, lists, tuples, tensors, other picklable leaves) as a DCP directory:
     ``__{rank}_{i}.distcp`` data files plus ``.metadata``, in the format of
-    :mod:`areal_lightning.write.dcp_format`. Async saves stage through the engine's
-    :class:`~areal_lightning.stage.BackgroundWorker` (its :class:`~areal_lightning.stage.HostStager`
-    is DCP's ``async_stager``). Every item is checksummed (CRC32C) in DCP's writer threads as
+    :mod:`areal_lightning.write.dcp_format`. A rank-local save of plain tensors to a local
+    folder needs no plan and is written by :mod:`areal_lightning.write.direct` (same format;
+    async: staged into host buffers made once per layout, then written by this process's
+    threads or, with ``async_executor="process"``, by a checkpoint process,
+    :mod:`areal_lightning.write.process`); every other save is planned and written by DCP,
+    async ones staged through the engine's :class:`~areal_lightning.stage.BackgroundWorker`
+    (its :class:`~areal_lightning.stage.HostStager` is DCP's ``async_stager``). Every item is checksummed (CRC32C) in DCP's writer threads as
     it is written, and the checksums go into ``.metadata`` with DCP's item records
     (:mod:`areal_lightning.write.checksum`); plans are cached across saves. ``then(written)``
     -- a commit target's publish, given what the save wrote and, on the coordinator, its
@@ -19,7 +23,9 @@ nor of how a written directory is committed (that is :mod:`areal_lightning.commi
     ``load(path, template=None, weights_only=None)`` rebuilds that structure exactly. Tensors
     are read into a template: the caller's tensors where ``template`` has them (same dotted
     paths, e.g. sharded tensors of a live model), else tensors allocated from the saved
-    metadata. DCP's empty-planner path, which stringifies keys, is never used. A rank's
+    metadata. DCP's empty-planner path, which stringifies keys, is never used. A load whose
+    tensors are each saved whole and go to contiguous CPU tensors of their shape and dtype
+    needs no plan either (:func:`~areal_lightning.write.direct.whole_reads`). A rank's
     files are read in parallel, each in offset order, every item once, its length and
     CRC32C checked as it is read (a mismatch raises :class:`CheckpointCorruptError` naming
     the file and the key); each tensor read for an engine-allocated slot is adopted as is
