@@ -86,3 +86,16 @@ def test_checkpoint_io_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     doc = json.loads(out.read_text())
     assert {"raw_fsync", "dcp_sync", "dcp_async", "dcp_load", "raw_read"} <= {r["method"] for r in doc["results"]}
     assert "dcp_sync durable / raw_fsync" in proc.stdout
+
+
+def test_async_checkpointer_benchmark_runs_every_executor_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "async.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "async_checkpointer.py"), "--mb", "4",
+                           "--tensors", "50", "--saves", "2", "--root", str(tmp_path / "run"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"thread", "process", "ours_thread", "ours_process"} and doc["tensors"] == 50
+    for kind in ("ours_thread", "ours_process"):
+        row = doc["results"][kind]
+        assert row["call_s"] <= row["staged_s"] <= row["durable_s"] and row["host_copy_s"] > 0, (kind, row)

@@ -186,8 +186,12 @@ class CheckpointProcess:
         self._stop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            # the package's own folder first on the child's path: it imports this very copy
+            # (also when the training script put it on sys.path itself, uninstalled)
+            root = str(Path(__file__).resolve().parents[2])
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
             self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         finally:
             theirs.close()
         self._sock = ours

@@ -16,6 +16,7 @@ items) are ``torch.save`` containers, read as before.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
@@ -49,10 +50,17 @@ def is_plain(tensor: torch.Tensor) -> bool:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU ``tensor`` (row-major), without a copy."""
+    """The bytes of a contiguous CPU ``tensor`` (row-major), without a copy; the view keeps
+    the tensor alive. (A ctypes array over its memory: about 1 us, against 5 us through
+    ``numpy()``, which also has no bfloat16; it is paid per tensor of every save and load.)"""
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor, got {tensor.device} "
+                         f"{'contiguous' if tensor.is_contiguous() else 'non-contiguous'}")
+    memory = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    memory.owner = tensor  # the buffer lives as long as the view does
+    return memoryview(memory).cast("B")
 
 
 def read_into(file: BinaryIO, dest: torch.Tensor, path: Any, offset: int, key: str) -> memoryview:
