@@ -1019,7 +1019,7 @@ class DCPEngine:
             if not collective and isinstance(path, Path):
                 if self.async_executor == "process":
                     if self._process is None:
-                        self._process = CheckpointProcess()
+                        self._process = CheckpointProcess(self.thread_count)
                     layout = self._process.layout_for(flat)
                 else:
                     layout = self._direct_layout(flat, pinned=pin_buffers())
@@ -1228,12 +1228,12 @@ class DCPEngine:
         try:
             self._worker.close()
         finally:
+            if self._process is not None:  # first: it dies with the upload thread that started it
+                self._process.close()
+                self._process = None
             if self._upload_thread is not None:
                 self._upload_thread.shutdown(wait=True)
                 self._upload_thread = None
-            if self._process is not None:
-                self._process.close()
-                self._process = None
             for key in self._plan_keys:
                 drop_plan_cache(key)
             self._plan_keys.clear()

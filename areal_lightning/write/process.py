@@ -16,7 +16,8 @@ written by a long-lived child process instead, as DCP's PROCESS checkpointer doe
   (:class:`~areal_lightning.write.checksum.Written`);
 * a failure in the child is sent back and raised like any background failure; a child that
   dies (killed, out of memory) fails the save in flight, and the next save starts a new one.
-  The child is killed when the training process dies (``PR_SET_PDEATHSIG``).
+  The child is killed when the training process dies (``PR_SET_PDEATHSIG``, tied to the
+  engine's upload thread that started it, which ends only when the engine closes).
 
 Costs (measured in ``benchmarks/async_checkpointer.py``): the child's start (an interpreter
 and ``import torch``: seconds, once, in the background: the first save is durable later);
@@ -125,7 +126,8 @@ class CheckpointProcess:
     """The training process's side of the checkpoint process (see module doc). Used by
     :class:`~areal_lightning.write.dcp.DCPEngine` from one background thread at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, thread_count: int = 2) -> None:
+        self.thread_count = thread_count  # the child's writer threads (files per save)
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._segment: _Segment | None = None
@@ -146,7 +148,7 @@ class CheckpointProcess:
         if key is None:
             return None
         if self._layout is None or self._layout.key != key:
-            self._layout = direct.Layout(key, thread_count=2)
+            self._layout = direct.Layout(key, self.thread_count)
         return self._layout
 
     def buffers(self, layout: direct.Layout) -> dict[str, torch.Tensor]:
@@ -224,7 +226,9 @@ class CheckpointProcess:
 
 
 def _die_with_parent() -> None:
-    """Linux: be killed when the process that started this one dies (best effort)."""
+    """Linux: be killed when the thread that started this process ends (best effort): the
+    engine's upload thread, which lives until the engine closes, or the training process's
+    death, whatever kills it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
