@@ -99,6 +99,37 @@ def make_trainer(callbacks: list, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(callbacks=callbacks, **defaults)
 
 
+_DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist (``-n 2 --dist loadgroup``): the longest tests first, so that the two workers
+    end together (longest-processing-time-first). Durations are a measured run's
+    (tests/durations.json, written by ``python tests/harness/durations.py JUNIT_XML``); a test not
+    in it counts as a typical one of its kind. Tests of one ``xdist_group`` stay together, in
+    file order. Without xdist the file order is kept."""
+    if not hasattr(config, "workerinput"):
+        return
+    import json
+
+    try:
+        with open(_DURATIONS) as f:
+            measured = json.load(f)
+    except FileNotFoundError:
+        measured = {}
+
+    def seconds(item: pytest.Item) -> float:
+        return measured.get(item.nodeid, 30.0 if item.get_closest_marker("slow") else 3.0)
+
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        key = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else item.nodeid
+        groups.setdefault(str(key), []).append(item)
+    ordered = sorted(groups.values(), key=lambda group: -sum(seconds(i) for i in group))  # stable for ties
+    items[:] = [item for group in ordered for item in group]
+
+
 @pytest.fixture
 def tokenizer() -> Any:
     from areal_lightning.tools.demo import build_tokenizer

@@ -21,9 +21,12 @@ from test_recover_e2e import (
     SCRIPT,
     assert_exact,
     losses_by_step,
+    reference_key,
     train,
 )
 from torch.distributed.checkpoint import FileSystemReader
+
+from tests.harness.refcache import reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +66,10 @@ DIST_CASES = {
          "--epochs", "2"), 9),
     "fsdp2-sync-stateful-loader-epoch-boundary": (
         ("--strategy", "fsdp2", "--loader", "stateful", "--workers", "1", "--freq-steps", "6", "--epochs", "2"), 8),
-    "ddp-async-stateful-loader-mid-epoch": (
-        ("--strategy", "ddp", "--io-mode", "async", "--loader", "stateful", "--freq-steps", "2", "--epochs", "2"), 5),
-    "pytorch-lightning-ddp-async-mid-epoch": (
-        ("--namespace", "pytorch_lightning", "--strategy", "ddp", "--io-mode", "async", "--freq-steps", "2",
-         "--epochs", "2"), 5),
+    # under `import pytorch_lightning as pl`, compared with lightning.pytorch's uninterrupted run
+    "pytorch-lightning-ddp-async-stateful-loader-mid-epoch": (
+        ("--namespace", "pytorch_lightning", "--strategy", "ddp", "--io-mode", "async", "--loader", "stateful",
+         "--freq-steps", "2", "--epochs", "2"), 5),
     # 4 ranks: 3 steps per epoch and rank. With 2 ranks every all-reduce is a + b, whatever its
     # order; with 4 the resumed process must reduce in the uninterrupted one's order (DDP's
     # gradient buckets as rebuilt after its first iteration).
@@ -79,24 +81,24 @@ DIST_CASES = {
        for strategy in ("ddp", "fsdp2")},
     # the checkpoint of the first step: DDP has not rebuilt its buckets yet (it would at the next
     # forward); the save rebuilds them then, so that the resumed first step uses them too
-    "ddp-4-ranks-first-step": (("--devices", "4", "--strategy", "ddp", "--freq-steps", "1", "--epochs", "2",
+    # (3 epochs: the uninterrupted run is ddp-4-ranks-mid-epoch's)
+    "ddp-4-ranks-first-step": (("--devices", "4", "--strategy", "ddp", "--freq-steps", "1", "--epochs", "3",
                                 "--dump-every", "1"), 2),
 }
 
 
-_REFERENCES: dict[tuple[str, ...], tuple[Path, subprocess.CompletedProcess]] = {}
-
-
 def dist_reference(tmp_path_factory, args: tuple[str, ...]) -> tuple[Path, subprocess.CompletedProcess]:
-    """The uninterrupted multi-rank run of ``args`` (run once per session); with
-    ``--dump-state`` its full model and optimizer state after every step (``ref/state.stepN.pt``)."""
-    if args not in _REFERENCES:
-        ref = tmp_path_factory.mktemp("dist_reference")
-        dump = ("--dump-state", str(ref / "state")) if "--dump-every" in args else ()
-        proc = train(ref, ref / "losses.jsonl", *args, *dump)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _REFERENCES[args] = (ref, proc)
-    return _REFERENCES[args]
+    """The uninterrupted multi-rank run of ``args`` (once per training configuration and suite
+    run, shared by the workers: tests/harness/refcache.py); with ``--dump-every`` its full model
+    and optimizer state after every step (``ref/state.stepN.pt``). The recover triggers and io
+    mode do not change what a run trains (``reference_key``), except a seconds trigger, whose
+    saves the test counts."""
+    key = args if "--freq-secs" in args else reference_key(args)
+    dump = ("--dump-state", "{root}/state") if "--dump-every" in args else ()
+    ref, proc = reference_run(tmp_path_factory, [sys.executable, str(SCRIPT), "--root", "{root}", "--losses",
+                                                 "{root}/losses.jsonl", *key, *dump])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ref, proc
 
 
 @pytest.mark.parametrize("case", list(DIST_CASES))
@@ -191,7 +193,8 @@ def test_a_recover_checkpoint_resumes_under_another_strategy_and_world_size(tmp_
 def test_torchrun_max_restarts_resumes_each_restart_bit_for_bit(tmp_path, tmp_path_factory) -> None:
     """``torchrun --nproc_per_node 2 --max-restarts 1 train.py``: both ranks die with SIGKILL
     in the first attempt; torchelastic restarts them and the run resumes exactly."""
-    args = ("--devices", "2", "--rank-seed", "--logger", "none", *DIST_CASES["ddp-async-stateful-loader-mid-epoch"][0])
+    case = DIST_CASES["pytorch-lightning-ddp-async-stateful-loader-mid-epoch"][0]
+    args = ("--devices", "2", "--rank-seed", "--logger", "none", *case[case.index("--strategy"):])  # lightning.pytorch
     ref, _ = dist_reference(tmp_path_factory, args)  # launched by Lightning: torchrun must give the same losses
     want = {rank: rank_losses(ref / "losses.jsonl", rank) for rank in (0, 1)}
     losses = tmp_path / "losses.jsonl"

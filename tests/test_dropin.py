@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness.losses import last_losses
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "user_script.py"
 NAMESPACES = ["lightning.pytorch", "pytorch_lightning"]
@@ -44,11 +46,7 @@ def run_script(args: list[str], root: Path, namespace: str, kill_at: int | None 
 
 def losses(root: Path) -> dict[int, str]:
     """The last loss written for each step (a resumed run writes the steps after the checkpoint again)."""
-    out: dict[int, str] = {}
-    for line in (root / "losses.jsonl").read_text().splitlines():
-        item = json.loads(line)
-        out[item["step"]] = item["loss"]
-    return out
+    return last_losses(root / "losses.jsonl")
 
 
 def tree(root: Path) -> dict[str, object]:

@@ -22,6 +22,10 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.harness.launch import free_port
+from tests.harness.losses import step_losses
+from tests.harness.refcache import reference_run
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp1.py"
@@ -42,11 +46,7 @@ def ok(proc: subprocess.CompletedProcess, root: Path) -> None:
 
 
 def losses(root: Path, rank: int) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for line in (root / f"losses.rank{rank}").read_text().splitlines():
-        row = json.loads(line)
-        out.setdefault(row["step"], set()).add(row["loss"])
-    return out
+    return step_losses(root / f"losses.rank{rank}")
 
 
 def exports(root: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -93,16 +93,13 @@ def assert_both_ranks_wrote_their_shards(root: Path) -> None:
     assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (32, 0)]
 
 
-_REFS: dict[tuple[str, ...], Path] = {}
-
-
 def reference(tmp_path_factory, *args: str) -> Path:
-    """The uninterrupted run of ``args`` (once per session)."""
-    if args not in _REFS:
-        root = tmp_path_factory.mktemp("fsdp1_ref")
-        ok(train(root, *args), root)
-        _REFS[args] = root
-    return _REFS[args]
+    """The uninterrupted run of ``args`` (once per suite run, shared by the workers:
+    tests/harness/refcache.py). Tests must not change it."""
+    root, proc = reference_run(tmp_path_factory, [sys.executable, str(SCRIPT), "--root", "{root}", "--losses",
+                                                  "{root}/losses", *args])
+    ok(proc, root)
+    return root
 
 
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
@@ -274,18 +271,10 @@ def test_a_stuck_rank_ends_the_other_after_the_collective_timeout(tmp_path) -> N
     assert not (tmp_path / "error.rank1.txt").exists()  # it never got past the hang
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_nodes(roots: tuple[Path, Path], *args: str) -> list[subprocess.CompletedProcess]:
     """Two ``torchrun`` agents, one process each, meeting by c10d rendezvous on 127.0.0.1:
     a two-node job on one machine. Node n trains into ``roots[n]``."""
-    port, rdzv = _free_port(), f"t{os.getpid()}{_free_port()}"
+    port, rdzv = free_port(), f"t{os.getpid()}{free_port()}"
     procs = []
     for root in roots:
         root.mkdir(parents=True, exist_ok=True)

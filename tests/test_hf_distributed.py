@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from areal_lightning import ConfigError, HFSaverCallback
+from tests.harness.launch import launch_ranks
+from tests.harness.refcache import environment_key, shared
 
 SCRIPT = Path(__file__).parent / "scripts" / "hf_distributed_train.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -71,42 +69,20 @@ def _load_script() -> Any:
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """Run every case once, in one 2-rank launch; return the output folder."""
-    out = tmp_path_factory.mktemp("hf_distributed")
-    port = str(_free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        env.pop("AREAL_LIGHTNING_FAULT", None)
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), "--cases",
-                                        json.dumps(list(CASES.values()))],
-                                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    codes = [proc.returncode for proc, _ in procs]
+    """Run every case once, in one 2-rank launch (once per suite run, shared by the workers:
+    tests/harness/refcache.py); return the output folder."""
+    return shared(tmp_path_factory, {"hf_distributed": list(CASES.values()), "env": environment_key()}, _launch)[0]
+
+
+def _launch(out: Path) -> None:
+    ranks = launch_ranks(SCRIPT, ["--out", str(out), "--cases", json.dumps(list(CASES.values()))], 2, out, cwd=REPO,
+                         timeout=LAUNCH_TIMEOUT_S, unset=("AREAL_LIGHTNING_FAULT",))
+    codes = [r.returncode for r in ranks]
     if codes != [0, 0]:
         tails = "\n".join((out / f"rank{r}.log").read_text()[-4000:] for r in (0, 1))
         pytest.fail(f"training processes exited with {codes} (timeout {LAUNCH_TIMEOUT_S}s):\n{tails}")
-    return out
 
 
 def case_dir(runs: Path, name: str) -> Path:

@@ -23,6 +23,7 @@ from areal_lightning.layout import TrialLayout
 from areal_lightning.tools.cli import main
 from areal_lightning.tools.inspect import inspect_path, inspect_trial
 from tests.conftest import LMModule, make_trainer, tiny_llama, token_loader
+from tests.harness.refcache import environment_key, shared
 
 REPO = Path(__file__).resolve().parents[1]
 USER, EXP = "alice", "exp"
@@ -37,15 +38,18 @@ def _train(fileroot: Path, trial: str, tokenizer: Any, **saver_kwargs: Any) -> N
     make_trainer([saver, recover], max_epochs=1).fit(LMModule(tiny_llama(), tokenizer), token_loader())
 
 
-@pytest.fixture(scope="module")
-def built_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _build(root: Path) -> None:
     from areal_lightning.tools.demo import build_tokenizer
 
-    root = tmp_path_factory.mktemp("inspect_root")
     tok = build_tokenizer()
     _train(root, "sharded", tok, max_shard_size=40_000)  # the tiny Llama is ~80 KB: 2+ shards
     _train(root, "plain", tok)
-    return root
+
+
+@pytest.fixture(scope="module")
+def built_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two trained trials (once per suite run, shared by the workers: tests/harness/refcache.py)."""
+    return shared(tmp_path_factory, {"inspect_built_root": 1, "env": environment_key()}, _build)[0]
 
 
 @pytest.fixture

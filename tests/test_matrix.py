@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness.refcache import environment_key, shared
 from tests.scripts import train_matrix as tm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,10 +128,9 @@ KILL_CASES: dict[str, Case] = {
     "sigkill-single-process-async-process-executor": Case(
         Job(trainer=T(val_check_interval=3), io_mode="async", async_executor="process"), 10, 8),
     # 2 ranks: 5 batches per epoch and rank, 3 epochs, epoch-end validation; checkpoint after
-    # step 6 (the first batch of epoch 2), killed at step 7
-    "sigkill-ddp-2-ranks": Case(Job(devices=2, epochs=3, freq_steps=3), 7, 6),
-    # each rank with 2 persistent workers drawing augmentation noise: checkpoint after the first
-    # batch of epoch 2, so the resumed workers carry each other's streams, into epoch 3
+    # step 6 (the first batch of epoch 2), killed at step 7. Each rank with 2 persistent workers
+    # drawing augmentation noise, so the resumed workers carry each other's streams, into epoch 3
+    # (a DDP run without workers is this case less the workers: it is not run on its own)
     "sigkill-ddp-2-ranks-workers-augmentation": Case(
         Job(devices=2, epochs=3, freq_steps=3, workers=2, persistent=True, data="augment"), 7, 6),
 }
@@ -266,12 +266,17 @@ _REFERENCES: dict[Job, tuple[list[list], dict]] = {}
 
 
 def reference(job: Job, tmp_path_factory) -> tuple[list[list], dict]:
-    """The uninterrupted run (once per training configuration)."""
+    """The uninterrupted run (once per training configuration and suite run, shared by the
+    workers: tests/harness/refcache.py)."""
     key = job.training_key()
     if key not in _REFERENCES:
-        trace = tm.Trace()
-        out = tm.fit(job, tmp_path_factory.mktemp("reference"), trace)
-        _REFERENCES[key] = (trace.items, out)
+        def produce(root: Path) -> tuple[list[list], dict]:
+            trace = tm.Trace()
+            out = tm.fit(job, root, trace)
+            return trace.items, out
+
+        _REFERENCES[key] = shared(tmp_path_factory, {"matrix-in-process": key.to_json(), "env": environment_key()},
+                                  produce)[1]
     return _REFERENCES[key]
 
 
@@ -342,9 +347,12 @@ def run_kill_case(case: Case, tmp_path: Path, tmp_path_factory) -> None:
     else:
         key = case.job.training_key()
         if key not in _SCRIPT_REFERENCES:
-            root = tmp_path_factory.mktemp("script_reference")
-            results = script_run(case.job, root, root / "trace")
-            _SCRIPT_REFERENCES[key] = [(tm.Trace.read(root / "trace", r), results[r]) for r in range(case.job.devices)]
+            def produce(root: Path) -> list[tuple[list[list], dict]]:
+                results = script_run(case.job, root, root / "trace")
+                return [(tm.Trace.read(root / "trace", r), results[r]) for r in range(case.job.devices)]
+
+            _SCRIPT_REFERENCES[key] = shared(tmp_path_factory, {"matrix-script": key.to_json(), "env": environment_key()},
+                                             produce)[1]
         refs = _SCRIPT_REFERENCES[key]
     script_run_killed(case.job, tmp_path, tmp_path / "killed", case.crash_at)
     resumed_results = script_run(case.job, tmp_path, tmp_path / "resumed")

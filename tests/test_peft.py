@@ -3,7 +3,6 @@ or both; the live model is never changed (losses equal a run without exports).""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +15,8 @@ import torch
 
 from areal_lightning import HFSaverCallback, RecoverCallback
 from tests.conftest import Crash, CrashAt, LMModule, make_trainer, tiny_llama, token_loader
+from tests.harness.losses import last_losses
+from tests.harness.refcache import environment_key, shared
 
 peft = pytest.importorskip("peft")
 
@@ -39,9 +40,10 @@ def lora_model(base_dir: Path, compiled: str | None = None) -> torch.nn.Module:
 
 
 def fit(root: Path, export: str | None, mode: str = "sync", crash_at: int | None = None,
-        compiled: str | None = None) -> LMModule:
+        compiled: str | None = None, base: Path | None = None) -> LMModule:
+    """Two epochs of 8 steps of a LoRA model on ``base`` (default: ``root``'s sibling ``base``)."""
     pl.seed_everything(0, verbose=False)
-    module = LMModule(lora_model(root.parent / "base", compiled))
+    module = LMModule(lora_model(base or root.parent / "base", compiled))
     where = dict(fileroot=root, experiment_name="e", trial_name="t", user="u")
     callbacks: list = [RecoverCallback(**where, freq_steps=4)]
     if export is not None:
@@ -53,6 +55,15 @@ def fit(root: Path, export: str | None, mode: str = "sync", crash_at: int | None
             make_trainer([CrashAt(crash_at), *callbacks], max_epochs=2).fit(module, token_loader())
     return module
 
+
+def uninterrupted(tmp_path_factory, export: str | None, mode: str = "sync") -> tuple[Path, list[float]]:
+    """``(root, losses)`` of ``fit(root, export, mode)``, once per suite run (shared by the
+    workers: tests/harness/refcache.py); its base model is ``root.parent / "base"``."""
+    def produce(folder: Path) -> list[float]:
+        return fit(folder / "run", export, mode).losses
+
+    folder, losses = shared(tmp_path_factory, {"peft-fit": [export, mode], "env": environment_key()}, produce)
+    return folder / "run", losses
 
 
 def exports(root: Path) -> list[Path]:
@@ -68,11 +79,12 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 @pytest.mark.parametrize(("export", "mode"), [("adapter", "sync"), ("merged", "async"), ("both", "sync"),
                                               ("both", "async")])
-def test_lora_exports_load_the_standard_way_and_leave_training_unchanged(tmp_path, export, mode) -> None:
+def test_lora_exports_load_the_standard_way_and_leave_training_unchanged(tmp_path, tmp_path_factory, export,
+                                                                        mode) -> None:
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
-    want = fit(tmp_path / "plain", None).losses
+    want = uninterrupted(tmp_path_factory, None)[1]
     module = fit(tmp_path / "run", export, mode)
     assert module.losses == want  # the live model is not changed by the exports
     last = exports(tmp_path / "run")[-1]
@@ -154,14 +166,15 @@ def test_peft_export_is_validated_naming_the_field(tmp_path) -> None:
         HFSaverCallback(fileroot=tmp_path, experiment_name="e", trial_name="t", freq_steps=1, peft_export="full")
 
 
-def test_a_lora_run_resumes_exactly_with_exports_equal_to_the_uninterrupted_runs(tmp_path) -> None:
+def test_a_lora_run_resumes_exactly_with_exports_equal_to_the_uninterrupted_runs(tmp_path, tmp_path_factory) -> None:
     """RecoverCallback on a LoRA model (frozen base): crash after step 10, the rerun trains the
     uninterrupted run's losses, and every export after the resume is byte-for-byte its export."""
-    want = fit(tmp_path / "ref", "both", "async")
-    fit(tmp_path / "run", "both", "async", crash_at=10)
-    got = fit(tmp_path / "run", "both", "async")
-    assert got.losses == want.losses[-len(got.losses):] and len(got.losses) == 8  # resumed after step 8
-    ref, run = exports(tmp_path / "ref"), exports(tmp_path / "run")
+    ref_root, want = uninterrupted(tmp_path_factory, "both", "async")
+    base = ref_root.parent / "base"
+    fit(tmp_path / "run", "both", "async", crash_at=10, base=base)
+    got = fit(tmp_path / "run", "both", "async", base=base)
+    assert got.losses == want[-len(got.losses):] and len(got.losses) == 8  # resumed after step 8
+    ref, run = exports(ref_root), exports(tmp_path / "run")
     assert [p.name for p in run] == [p.name for p in ref]
     for a, b in zip(ref, run):
         for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
@@ -179,22 +192,23 @@ def run_script(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 def step_losses(root: Path, rank: int) -> dict[int, str]:
     """Each step's loss (hex) on ``rank``; a step done again after a kill: its last value."""
-    lines = (root / f"losses.rank{rank}").read_text().splitlines()
-    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
+    return last_losses(root / f"losses.rank{rank}")
 
 
 @pytest.mark.parametrize("compiled", ["base", "peft"])
-def test_a_compiled_lora_model_exports_and_resumes_uncompiled_with_the_plain_runs_exports(tmp_path, compiled) -> None:
+def test_a_compiled_lora_model_exports_and_resumes_uncompiled_with_the_plain_runs_exports(tmp_path, tmp_path_factory,
+                                                                                          compiled) -> None:
     """``torch.compile`` inside the PEFT model (its base) or around it: exports and recover
     checkpoints use the plain names. A compiled run crashes after step 10 and is resumed
     uncompiled: the losses continue the plain run's, and every export (steps 4 and 8 from the
     compiled model, 12 and 16 from the plain one) is byte-for-byte the plain run's (the adapter
     names the same base folder and loads onto a plain base)."""
-    want = fit(tmp_path / "ref", "both", "async")
-    fit(tmp_path / "run", "both", "async", crash_at=10, compiled=compiled)
-    got = fit(tmp_path / "run", "both", "async")
-    assert got.losses == want.losses[-len(got.losses):] and len(got.losses) == 8  # resumed after step 8
-    ref, run = exports(tmp_path / "ref"), exports(tmp_path / "run")
+    ref_root, want = uninterrupted(tmp_path_factory, "both", "async")
+    base = ref_root.parent / "base"  # the same base folder: the adapter configs name it
+    fit(tmp_path / "run", "both", "async", crash_at=10, compiled=compiled, base=base)
+    got = fit(tmp_path / "run", "both", "async", base=base)
+    assert got.losses == want[-len(got.losses):] and len(got.losses) == 8  # resumed after step 8
+    ref, run = exports(ref_root), exports(tmp_path / "run")
     assert [p.name for p in run] == [p.name for p in ref]
     for a, b in zip(ref, run):
         for name in ("model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"):

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.losses import step_losses
+from tests.harness.refcache import reference_run
+
 SCRIPT = Path(__file__).parent / "scripts" / "train_recover.py"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,18 +39,7 @@ def both_ranks(stderr: str) -> str:
     return "rank 1:\n" + "\n".join(rank1)[-6000:] + "\n--- end of the run's stderr:\n" + stderr[-3000:]
 
 
-def losses_by_step(path: Path) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        out.setdefault(row["step"], set()).add(row["loss"])
-    return out
-
-
-_REFERENCE: dict[tuple[str, ...], dict[int, set[str]]] = {}
-
-
-_REFERENCE_ROOT: dict[tuple[str, ...], Path] = {}
+losses_by_step = step_losses  # every loss of each step (tests/harness/losses.py)
 
 
 def reference_key(args: tuple[str, ...]) -> tuple[str, ...]:
@@ -65,16 +57,18 @@ def reference_key(args: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(key)
 
 
+def reference_root(tmp_path_factory, args: tuple[str, ...]) -> Path:
+    """The folder of the uninterrupted run of ``args`` (once per training configuration and suite
+    run, shared by the workers: tests/harness/refcache.py). Tests must not change it."""
+    cmd = [sys.executable, str(SCRIPT), "--root", "{root}", "--losses", "{root}/losses.jsonl", *reference_key(args)]
+    root, proc = reference_run(tmp_path_factory, cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
 def reference(tmp_path_factory, args: tuple[str, ...]) -> dict[int, set[str]]:
     """The uninterrupted run's losses (computed once per configuration)."""
-    key = reference_key(args)
-    if key not in _REFERENCE:
-        root = tmp_path_factory.mktemp("reference")
-        proc = train(root, root / "losses.jsonl", *args)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _REFERENCE[key] = losses_by_step(root / "losses.jsonl")
-        _REFERENCE_ROOT[key] = root
-    return _REFERENCE[key]
+    return losses_by_step(reference_root(tmp_path_factory, args) / "losses.jsonl")
 
 
 def logged_losses(root: Path) -> dict[int, str]:
@@ -95,9 +89,9 @@ CASES = {
     # name: (kill at step, extra args); 12 steps per epoch, 3 epochs, recover every 5 steps.
     # A representative set of real SIGKILLs (the loaders without workers, shuffled or not,
     # plain or stateful, and epoch-end checkpoints with each, are resumed in-process by
-    # tests/test_recover.py and tests/test_matrix.py).
+    # tests/test_recover.py and tests/test_matrix.py; a plain loader with 2 workers is
+    # "second-epoch" and "pytorch-lightning-async-2-workers" with async saves).
     "plain-shuffle-mid-epoch": (7, ()),
-    "plain-shuffle-2-workers": (9, ("--workers", "2")),
     "stateful-loader-2-workers": (17, ("--loader", "stateful", "--workers", "2")),
     "right-after-epoch-end-checkpoint": (13, ("--freq-steps", "100", "--freq-epochs", "1")),
     "async-checkpoint": (12, ("--io-mode", "async")),  # the save of step 5 is surely committed by step 10's
@@ -124,21 +118,21 @@ def test_sigkill_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factor
     assert_exact(got, want)
     # Steps between the checkpoint and the kill ran twice, with identical losses.
     assert any(len(v) == 1 for v in got.values())
-    key = reference_key(args)
+    ref = reference_root(tmp_path_factory, args)
     info = Path("checkpoints") / "u" / "exp" / "t" / "recover_info" / "step_info.json"
     # The final position (epoch, step in epoch, global step) equals the uninterrupted run's,
     # also after a resume at an epoch boundary (Lightning skips that epoch's start hook).
-    assert json.loads((tmp_path / info).read_text()) == json.loads((_REFERENCE_ROOT[key] / info).read_text())
+    assert json.loads((tmp_path / info).read_text()) == json.loads((ref / info).read_text())
     assert json.loads((tmp_path / info).read_text())["global_step"] == max(want) - 1
     # The logger continued its version instead of starting a new one, and the rows the
     # interrupted run had flushed are kept: the CSV equals the uninterrupted run's.
     assert [p.name for p in (tmp_path / "logs" / "run").iterdir()] == ["version_0"]
-    assert logged_losses(tmp_path) == logged_losses(_REFERENCE_ROOT[key])
+    assert logged_losses(tmp_path) == logged_losses(ref)
 
 
 def test_rerunning_a_finished_run_does_nothing(tmp_path, tmp_path_factory) -> None:
-    reference(tmp_path_factory, ())  # a finished run (shared with the other tests): rerun a copy of it
-    shutil.copytree(_REFERENCE_ROOT[()], tmp_path, dirs_exist_ok=True)
+    # a finished run (shared with the other tests): rerun a copy of it
+    shutil.copytree(reference_root(tmp_path_factory, ()), tmp_path, dirs_exist_ok=True)
     losses = tmp_path / "losses.jsonl"
     n = len(losses.read_text().splitlines())
     again = train(tmp_path, losses)
@@ -172,8 +166,7 @@ def test_sigterm_on_one_rank_checkpoints_that_step_on_every_rank_and_the_rerun_r
     Both ranks agree, checkpoint step 8, exit 75; the same command trains steps 9.. once.
     Under either Lightning namespace."""
     args = ("--devices", "2", "--namespace", namespace)
-    ref = tmp_path_factory.mktemp("ddp-reference")
-    assert train(ref, ref / "losses.jsonl", *args).returncode == 0
+    ref = reference_root(tmp_path_factory, args)  # lightning.pytorch's: pytorch_lightning must train the same
     losses = tmp_path / "losses.jsonl"
     stopped = train(tmp_path, losses, *args, "--sigterm-at-step", "8", "--sigterm-rank", "1")
     assert stopped.returncode == 75, stopped.stderr[-3000:]

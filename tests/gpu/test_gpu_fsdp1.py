@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.harness.losses import last_losses
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -97,8 +99,7 @@ def train(root: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
 
 
 def _losses(root: Path, rank: int) -> dict[int, str]:
-    return {json.loads(line)["step"]: json.loads(line)["loss"]
-            for line in (root / f"losses.rank{rank}").read_text().splitlines()}
+    return last_losses(root / f"losses.rank{rank}")
 
 
 CASES = {f"{n}gpu": (n,) for n in sorted({1, GPUS})} | {f"{GPUS}gpu-cpu-offload-dcp": (GPUS, "--cpu-offload",

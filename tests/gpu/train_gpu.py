@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from areal_lightning import RecoverCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from harness.callbacks import KillAt  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -39,15 +41,6 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class KillAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Report(pl.Callback):

@@ -28,7 +28,6 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ pl = importlib.import_module(NAMESPACE)
 
 import torch  # noqa: E402
 from fsdp1_cpu import CPUFSDPStrategy  # noqa: E402
+from harness.callbacks import DumpState, KillAt  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from areal_lightning import HFSaverCallback, RecoverCallback  # noqa: E402
@@ -106,43 +106,6 @@ def loader(seed: int, n: int, shuffle: bool) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 14, (n, 8), generator=g)
     return DataLoader(TensorDataset(ids), batch_size=2, shuffle=shuffle)
-
-
-class KillAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class DumpState(pl.Callback):
-    """Rank 0 writes the full model and optimizer state (torch's ``get_state_dict``, keyed by
-    parameter name) after every ``every``-th step (``PREFIX.stepN.pt``) and right after a
-    resume (``PREFIX.startN.pt``): a resharded resume must start from the saved state."""
-
-    def __init__(self, prefix: str, every: int) -> None:
-        self.prefix, self.every = prefix, every
-
-    def _dump(self, trainer, tag: str) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_state_dict,
-        )
-
-        model, optim = get_state_dict(trainer.strategy.model, trainer.optimizers,
-                                      options=StateDictOptions(full_state_dict=True))
-        if trainer.is_global_zero:
-            torch.save({"model": model, "optim": optim}, f"{self.prefix}.{tag}{trainer.global_step}.pt")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.global_step > 0:
-            self._dump(trainer, "start")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every == 0:
-            self._dump(trainer, "step")
 
 
 class GPUReport(pl.Callback):

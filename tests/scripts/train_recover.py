@@ -31,6 +31,9 @@ NAMESPACE = sys.argv[sys.argv.index("--namespace") + 1] if "--namespace" in sys.
 os.environ["AREAL_NAMESPACE"] = NAMESPACE  # for tests/fsdp1_cpu.py
 pl = importlib.import_module(NAMESPACE)
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # tests/
+from harness.callbacks import DumpState, KillAt, SignalAt  # noqa: E402
+
 from areal_lightning import RecoverCallback  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -84,58 +87,6 @@ class Net(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-class KillAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # Under torchrun --max-restarts, only the first attempt is killed.
-        if trainer.global_step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class SignalAt(pl.Callback):
-    """SIGTERM to this process at the end of step ``step``, on rank ``rank`` only (ranks are
-    preempted at different steps), on the first run of the trial only."""
-
-    def __init__(self, step: int, rank: int, root: str) -> None:
-        self.step, self.rank, self.marker = step, rank, os.path.join(root, f"signalled.rank{rank}")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and trainer.global_rank == self.rank and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-class DumpState(pl.Callback):
-    """Writes the full (gathered) model and optimizer state, keyed by parameter name, at
-    every ``every``-th step (``PREFIX.stepN.pt``) and right after a resume
-    (``PREFIX.startN.pt``), on rank 0: a resharded resume must start from the saved state."""
-
-    def __init__(self, prefix: str, every: int) -> None:
-        self.prefix, self.every = prefix, every
-
-    def _dump(self, trainer, pl_module, tag: str) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_state_dict,
-        )
-
-        # the strategy's root module (FSDP1 wraps the LightningModule); no cpu_offload (FSDP1 on CPU)
-        options = StateDictOptions(full_state_dict=True)
-        model, optim = get_state_dict(trainer.strategy.model, trainer.optimizers, options=options)
-        if trainer.is_global_zero:
-            torch.save({"model": model, "optim": optim}, f"{self.prefix}.{tag}{trainer.global_step}.pt")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.global_step > 0:
-            self._dump(trainer, pl_module, "start")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every == 0:
-            self._dump(trainer, pl_module, "step")
 
 
 class LimitFileSize(pl.Callback):
@@ -205,7 +156,8 @@ def main() -> None:
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
     if args.sigterm_at_step is not None:
-        callbacks.insert(0, SignalAt(args.sigterm_at_step, args.sigterm_rank, args.root))
+        callbacks.insert(0, SignalAt(args.sigterm_at_step, args.sigterm_rank,
+                                     os.path.join(args.root, f"signalled.rank{args.sigterm_rank}")))
     if args.dump_state is not None:
         callbacks.insert(0, DumpState(args.dump_state, args.dump_every or args.freq_steps))
     if args.disk_full_at_step is not None:

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (fsdp1_cpu)
 from fsdp1_cpu import CPUFSDPStrategy  # noqa: E402
+from harness.callbacks import SignalAt  # noqa: E402
 
 from areal_lightning import HFSaverCallback, RecoverCallback  # noqa: E402
 
@@ -92,17 +93,6 @@ class LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-class SigtermAt(pl.Callback):
-    """SIGTERM to this rank at the end of a step (a preemption notice to one rank only)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def run_job(job: Job) -> None:
     """The body of one rank's training script."""
     torch.set_num_threads(1)
@@ -115,7 +105,7 @@ def run_job(job: Job) -> None:
         RecoverCallback(**paths, freq_steps=2, io_mode=job.io),
     ]
     if job.end == "preempt" and job.rank == 1:
-        callbacks.insert(0, SigtermAt(STEP))
+        callbacks.insert(0, SignalAt(STEP))
     strategy = CPUFSDPStrategy() if job.strategy == "fsdp1" else "ddp"
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, max_steps=8, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
