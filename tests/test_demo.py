@@ -45,6 +45,7 @@ def _fmt(hexloss: str) -> str:
     return f"{float.fromhex(hexloss):.9g}"
 
 
+@pytest.mark.slow  # worker processes, one SIGKILLed (the fast tier resumes in-process: test_recover, test_matrix)
 def test_demo_kills_resumes_and_matches_the_uninterrupted_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     overrides = [f"fileroot={tmp_path}", *SHORT, "kill.at_step=25"]
     cfg = load_config(CONFIG, overrides, schema=DemoConfig)
@@ -179,6 +180,7 @@ def test_demo_defaults_validate_and_bad_overrides_fail_before_training(tmp_path:
     load_config(DemoConfig(), ["recover.mode=off", "kill.enabled=false"], schema=DemoConfig)  # fine without the kill
 
 
+@pytest.mark.slow  # the whole demo in a subprocess
 def test_console_script_runs_the_demo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cmd = [sys.executable, "-m", "areal_lightning", "demo", "--config", str(CONFIG), f"fileroot={tmp_path}", *SHORT]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
