@@ -151,9 +151,9 @@ def _moto_process(log_path: Any, env: dict | None = None) -> tuple[Any, str]:
     import sys
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tests.harness.launch import free_port
+
+    port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-c", "from moto.server import main; import sys; main(sys.argv[1:])",
                              "-H", "127.0.0.1", "-p", str(port)], env={**os.environ, **(env or {})},
