@@ -382,6 +382,28 @@ def test_a_changed_num_workers_is_a_recover_mismatch(tmp_path) -> None:
     assert min(resumed.losses) == 5
 
 
+def test_the_worker_processes_of_an_unfinished_epoch_end_with_fit_as_without_the_callback(tmp_path) -> None:
+    """A run stopped mid-epoch (``max_steps``) leaves no DataLoader worker running once ``fit``
+    returns, as plain Lightning leaves none: the callback keeps no reference to the epoch's
+    iterator. (Were it kept, the workers would live on until the garbage collector broke the
+    cycle, and its finalizers, run in an unlucky order, wait 5 s for each worker.)"""
+    import gc
+    import multiprocessing
+
+    def workers_left(callbacks: list) -> int:
+        pl.seed_everything(0, verbose=False)
+        trainer(callbacks, max_steps=6).fit(Net(), plain_loader(num_workers=2))  # 10 batches an epoch
+        return len(multiprocessing.active_children())
+
+    gc.collect()
+    gc.disable()  # only references count: no collection may end the workers behind the test's back
+    try:
+        assert workers_left([]) == 0  # plain Lightning
+        assert workers_left([recover(tmp_path)]) == 0
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("change", ["batch_size", "shorter_dataset"])
 def test_a_changed_loader_or_dataset_is_a_recover_mismatch_with_the_remedy(tmp_path, change) -> None:
     run(tmp_path, crash_at=6)  # checkpoint after step 4: 4 of the epoch's 10 batches trained

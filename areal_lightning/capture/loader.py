@@ -466,12 +466,15 @@ class LoaderTracker:
         return loader
 
     def untrack(self) -> None:
-        """Give every tracked loader its own class back."""
+        """Give every tracked loader its own class back and let go of their iterators: an
+        iterator kept here would keep its worker processes running after ``fit`` (Lightning
+        ends them by dropping its last reference) and leave them to the garbage collector."""
         for loader in self._loaders.values():
             cls = type(loader)
             if cls.__dict__.get("_areal_resumable", False):
                 swap_class(loader, cls.__mro__[1])
         self._loaders = {}
+        self._iters = {}
 
     def streams_apply(self, loader: Any) -> bool:
         """Whether ``loader``'s worker random streams are captured and restored: map-style,
