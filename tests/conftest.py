@@ -7,10 +7,17 @@ import signal
 import warnings
 from typing import Any
 
-import lightning.pytorch as pl
-import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+# One intra-op thread per process unless told otherwise: two xdist workers and the ranks they start
+# share 2 cores, and OpenMP threads spin-waiting there cost every other process (the fast tier ran
+# 11 % faster). Set before torch is imported; the test's subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning.pytorch as pl  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where a plugin imported torch first
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -128,6 +135,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         groups.setdefault(str(key), []).append(item)
     ordered = sorted(groups.values(), key=lambda group: -sum(seconds(i) for i in group))  # stable for ties
     items[:] = [item for group in ordered for item in group]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The time xdist workers stood idle waiting for a reference another worker was producing
+    (tests/harness/refcache.py logs each wait over a second)."""
+    import json
+
+    from tests.harness.refcache import WAITS
+
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or hasattr(config, "workerinput"):
+        return
+    log = factory.getbasetemp() / "refcache" / WAITS
+    if not log.is_file():
+        return
+    waits = [json.loads(line) for line in log.read_text().splitlines() if line]
+    terminalreporter.write_sep("-", f"idle waits on shared references: {sum(w['waited'] for w in waits):.0f}s "
+                                    f"over {len(waits)} waits")
+    for w in sorted(waits, key=lambda w: -w["waited"])[:10]:
+        terminalreporter.write_line(f"{w['waited']:7.1f}s {w['test']}")
 
 
 @pytest.fixture

@@ -58,7 +58,8 @@ CASES: dict[str, dict[str, Any]] = {
 }
 EXPORTS = ["epoch0epochstep1globalstep1", "epoch0epochstep3globalstep3"]  # 4 steps, freq_steps=2
 
-pytestmark = pytest.mark.slow
+# One group: every test reads the one shared 2-rank launch (no xdist worker waits on the other).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hf_distributed")]
 
 
 def _load_script() -> Any:

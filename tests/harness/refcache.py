@@ -21,6 +21,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Variables that differ between tests or workers of one run and do not change what a run computes.
 _VOLATILE = ("PYTEST_", "COV_CORE_", "COVERAGE_")
+WAITS = "waits.jsonl"  # one line per wait on another worker's reference (see conftest's summary)
 
 
 def _base(tmp_path_factory: Any) -> Path:
@@ -55,8 +57,14 @@ def shared(tmp_path_factory: Any, key: Any, produce: Callable[[Path], T]) -> tup
     base = _base(tmp_path_factory)
     folder, done = base / digest, base / f"{digest}.pkl"
     with open(base / f"{digest}.lock", "w") as lock:
+        start = time.monotonic()
         fcntl.flock(lock, fcntl.LOCK_EX)
+        waited = time.monotonic() - start
         try:
+            if waited > 1.0:  # another worker was producing it: time this worker stood idle
+                with open(base / WAITS, "a") as log:
+                    log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
+                                          "waited": round(waited, 1)}) + "\n")
             if not done.exists():
                 shutil.rmtree(folder, ignore_errors=True)  # what a producer that raised left
                 folder.mkdir()
