@@ -147,10 +147,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     factory = getattr(config, "_tmp_path_factory", None)
     if factory is None or hasattr(config, "workerinput"):
         return
-    log = factory.getbasetemp() / "refcache" / WAITS
-    if not log.is_file():
+    folder = factory.getbasetemp() / "refcache"
+    if not folder.is_dir():  # no test used a shared reference
         return
-    waits = [json.loads(line) for line in log.read_text().splitlines() if line]
+    log = folder / WAITS
+    waits = [json.loads(line) for line in log.read_text().splitlines() if line] if log.is_file() else []
     terminalreporter.write_sep("-", f"idle waits on shared references: {sum(w['waited'] for w in waits):.0f}s "
                                     f"over {len(waits)} waits")
     for w in sorted(waits, key=lambda w: -w["waited"])[:10]:
