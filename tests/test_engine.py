@@ -499,3 +499,30 @@ def test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes(tmp_path: P
     if planned:
         assert key not in SavePlanner._cached_save_plan  # dropped with the engine
     assert engine._layout is None
+
+
+def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back_per_rank(caplog) -> None:
+    """write/replicas.py: which tensors differ across ranks (host CRC32C, and the device digest
+    computed here on CPU tensors), where they are stored, and which copy each rank reads."""
+    from areal_lightning.write import replicas
+
+    a = {"w": torch.arange(6.0), "bn.mean": torch.zeros(3), "half": torch.ones(2, dtype=torch.bfloat16),
+         "t": torch.arange(4.0).reshape(2, 2).t()}  # a non-contiguous one too
+    b = {k: v.clone() for k, v in a.items()}
+    b["bn.mean"][1] = 1e-30  # one tiny difference
+    gathered = [replicas.fingerprints(a), replicas.fingerprints(b)]
+    assert replicas.differing(gathered) == ["bn.mean"]
+    assert replicas._device_fingerprints([a["bn.mean"]]) != replicas._device_fingerprints([b["bn.mean"]])
+    assert replicas._device_fingerprints([a["w"]]) == replicas._device_fingerprints([b["w"].clone()])
+    flat0, flat1 = dict(a), dict(b)
+    replicas.store_per_rank(flat0, ["bn.mean"], rank=0, world_size=2)
+    replicas.store_per_rank(flat1, ["bn.mean"], rank=1, world_size=2)
+    assert "bn.mean" in flat0 and "bn.mean" not in flat1 and "areal_per_rank/2/1/bn.mean" in flat1
+    keys = set(flat0) | set(flat1)
+    assert replicas.restore_per_rank(keys, rank=1, world_size=2) == ({"areal_per_rank/2/1/bn.mean": "bn.mean"}, [])
+    assert replicas.restore_per_rank(keys, rank=0, world_size=2) == ({}, [])  # rank 0: the usual key
+    assert replicas.restore_per_rank(keys, rank=0, world_size=1) == ({}, [])  # convert: rank 0's copy
+    assert replicas.restore_per_rank(keys, rank=2, world_size=4) == ({}, ["bn.mean"])  # another world size
+    with caplog.at_level("WARNING"):
+        replicas.warn_world_change(["bn.mean"])
+    assert "bn.mean" in caplog.text and "rank 0's copy" in caplog.text

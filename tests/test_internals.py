@@ -595,6 +595,32 @@ def test_wrap_ddp_setup_model(one_rank_group) -> None:
     assert "_setup_model" not in strategy.__dict__
 
 
+def test_ddp_forward_sync(one_rank_group) -> None:
+    ddp = _ddp_strategy()._setup_model(_three_layers())
+    assert internals.ddp_forward_sync(Tiny()) is None  # not a DDP
+    assert internals.ddp_forward_sync(ddp) is True  # a new DDP broadcasts buffers at its first forward
+    with torch.no_grad():  # a forward without gradient synchronization: no broadcast at the next one
+        ddp(torch.randn(2, 64))
+    assert internals.ddp_forward_sync(ddp) is False
+    ddp(torch.randn(2, 64)).sum().backward()
+    assert internals.ddp_forward_sync(ddp) is True
+
+
+def test_set_ddp_forward_sync(one_rank_group) -> None:
+    ddp = _ddp_strategy()._setup_model(_three_layers())
+    internals.set_ddp_forward_sync(ddp, False)
+    assert internals.ddp_forward_sync(ddp) is False and ddp.will_sync_module_buffers() is False
+    internals.set_ddp_forward_sync(Tiny(), False)  # not a DDP: nothing to set
+
+
+def test_wrap_ddp_setup_model_calls_after_with_the_built_ddp(one_rank_group) -> None:
+    strategy, patch, seen = _ddp_strategy(), internals.Patch(), []
+    internals.wrap_ddp_setup_model(strategy, patch, lambda: None, after=seen.append)
+    built = strategy._setup_model(_three_layers())
+    assert seen == [built] and isinstance(built, torch.nn.parallel.DistributedDataParallel)
+    patch.undo()
+
+
 @pytest.mark.skipif(NAMESPACE != "lightning.pytorch", reason="runs the module under the other namespace")
 def test_every_accessor_is_pinned_under_pytorch_lightning() -> None:
     """Every test of this module, under ``import pytorch_lightning`` (its own copies of the classes)."""

@@ -70,6 +70,8 @@ __all__ = [
     "epoch_loop_ends",
     "continue_after_save_point",
     "ddp_bucket_layout",
+    "ddp_forward_sync",
+    "set_ddp_forward_sync",
     "wrap_ddp_setup_model",
     "cluster_environment",
     "train_epoch_metrics",
@@ -324,10 +326,30 @@ def ddp_bucket_layout(model: Any) -> list[list[int]] | None:
     return [[int(i) for i in bucket.split()] for bucket in str(text).split(",") if bucket.strip()]
 
 
-def wrap_ddp_setup_model(strategy: Any, patch: Patch, layout: Callable[[], list[list[int]] | None]) -> bool:
+def ddp_forward_sync(model: Any) -> bool | None:
+    """Whether ``model`` (a ``DistributedDataParallel``) broadcasts rank 0's buffers at its next
+    forward (``require_forward_param_sync``: True when built, then set by each forward from
+    whether gradients were synchronized; Lightning's manual optimization leaves it False);
+    ``None`` for any other module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return bool(model.require_forward_param_sync) if isinstance(model, DistributedDataParallel) else None
+
+
+def set_ddp_forward_sync(model: Any, value: bool) -> None:
+    """Set what :func:`ddp_forward_sync` reads (a resumed DDP continues as the saved one would)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model.require_forward_param_sync = bool(value)
+
+
+def wrap_ddp_setup_model(strategy: Any, patch: Patch, layout: Callable[[], list[list[int]] | None],
+                         after: Callable[[Any], None] = lambda ddp: None) -> bool:
     """Make ``DDPStrategy._setup_model`` (where Lightning builds the ``DistributedDataParallel``)
     give the new DDP the bucket layout ``layout()`` returns (read then: after the checkpoint's
-    callback states are loaded; ``None``: DDP's own). ``False`` for other strategies."""
+    callback states are loaded; ``None``: DDP's own), and call ``after(ddp)`` once the DDP is built
+    (its constructor has broadcast rank 0's parameters and buffers). ``False`` for other strategies."""
     import sys
 
     import torch.distributed as dist
@@ -338,6 +360,11 @@ def wrap_ddp_setup_model(strategy: Any, patch: Patch, layout: Callable[[], list[
     original = _require(strategy, "_setup_model", "DDPStrategy")
 
     def setup_model(model: Any) -> Any:
+        wrapped = build(model)
+        after(wrapped)  # before Lightning assigns it to strategy.model
+        return wrapped
+
+    def build(model: Any) -> Any:
         buckets = layout()
         if not buckets:
             return original(model)

@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
@@ -46,6 +47,7 @@ from areal_lightning.lightning._internals import (
     continue_train_epoch_metrics,
     epoch_loop_ends,
     loaded_checkpoint,
+    set_ddp_forward_sync,
     train_loaders,
     wrap_ddp_setup_model,
     wrap_epoch_end,
@@ -193,7 +195,27 @@ class RecoverSession:
         wrap_epoch_end(trainer, self._patch, self._epoch_end)
         continue_after_save_point(trainer, self._patch, self._resumed_at_epoch_end)
         # A resumed DDP reduces its first step with the saved buckets, as the run that saved did.
-        wrap_ddp_setup_model(trainer.strategy, self._patch, lambda: self.state.ddp_buckets)
+        # DDP's constructor broadcasts rank 0's parameters and buffers: what each rank loaded as its
+        # own (write/replicas.py) is put back once it is built.
+        wrap_ddp_setup_model(trainer.strategy, self._patch, lambda: self.state.ddp_buckets,
+                             after=lambda ddp: self._reapply_per_rank(trainer, ddp))
+
+    def _reapply_per_rank(self, trainer: Any, ddp: Any) -> None:
+        """Once the DDP is built: put this rank's own copies of the model's per-rank tensors, read
+        by the resume, back into the module (DDP's constructor broadcast rank 0's), and let its next
+        forward broadcast buffers only if the saved DDP's would have."""
+        if self.state.ddp_forward_sync is not None:  # a fresh DDP broadcasts buffers at its first forward
+            set_ddp_forward_sync(ddp, self.state.ddp_forward_sync)
+        loaded, self.io.engine.last_per_rank = self.io.engine.last_per_rank, {}
+        prefix = "state_dict."
+        own = {fqn[len(prefix):]: value for fqn, value in loaded.items() if fqn.startswith(prefix)}
+        if not own:
+            return
+        live = trainer.lightning_module.state_dict()
+        with torch.no_grad():
+            for key, value in own.items():
+                if key in live:
+                    live[key].copy_(value)
 
     def close(self) -> None:
         """Undo the wiring, release the lock (idempotent)."""

@@ -39,6 +39,7 @@ from areal_lightning.layout import (
 )
 from areal_lightning.lightning._internals import (
     ddp_bucket_layout,
+    ddp_forward_sync,
     prefetched_batches,
     train_epoch_metrics,
     train_loaders,
@@ -87,6 +88,7 @@ class RecoverState:
         self._saving: tuple[Any, bool, CheckpointGroup, str | None] | None = None  # trainer, at boundary, ranks, point
         self.resume_point: str | None = None  # the save point of the checkpoint loaded (SAVE_POINTS)
         self.ddp_buckets: list[list[int]] | None = None  # DDP's gradient buckets in the checkpoint loaded
+        self.ddp_forward_sync: bool | None = None  # whether its DDP was to broadcast buffers at the next forward
         self._pending_stop = False
         self._pending_accumulate: int | None = None
         self._pending_rng: dict[str, Any] | None = None
@@ -125,6 +127,9 @@ class RecoverState:
         layout = ddp_bucket_layout(trainer.strategy.model)  # every rank: it may rebuild DDP's buckets
         if layout is not None:
             state["ddp_buckets"] = layout
+        forward_sync = ddp_forward_sync(trainer.strategy.model)  # a fresh DDP would broadcast buffers
+        if forward_sync is not None:
+            state["ddp_forward_sync"] = forward_sync
         state["rng"] = capture_rng()
         csv_logs = csv_snapshots(trainer)  # rank 0 (whose callback state is the one saved)
         if csv_logs:
@@ -212,6 +217,7 @@ class RecoverState:
         self.evaluator.load_state_dict(state.get("evaluator", {}))
         self.resume_point = state.get("save_point")
         self.ddp_buckets = state.get("ddp_buckets")
+        self.ddp_forward_sync = state.get("ddp_forward_sync")
         self._pending_stop = bool(state.get("should_stop", False))
         self._pending_accumulate = state.get("accumulate_grad_batches")
         self.csv_logs = state.get("csv_logs") or {}

@@ -157,7 +157,7 @@ from areal_lightning.write.dcp_format import (
     slot_globals,
     split,
 )
-from areal_lightning.write import direct
+from areal_lightning.write import direct, replicas
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.process import ASYNC_EXECUTORS, CheckpointProcess
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, read_into, tensor_bytes
@@ -923,6 +923,9 @@ class DCPEngine:
         """What this rank wrote in the last save (:class:`~areal_lightning.write.checksum.Written`)."""
         self.last_read: Read | None = None
         """What this rank read in the last load (:class:`Read`)."""
+        self.last_per_rank: dict[str, torch.Tensor] = {}
+        """The tensors the last load gave this rank from its own per-rank copies, by flat key
+        (:mod:`~areal_lightning.write.replicas`); for a caller that must apply them again."""
 
     @property
     def in_flight(self) -> str | None:
@@ -969,6 +972,7 @@ class DCPEngine:
         collective = self.is_collective()
         rank = dist.get_rank() if collective else 0
         error: BaseException | None = None
+        mine: dict[str, tuple] = {}
         try:
             self._worker.wait()
             fault_point("engine.before_staging")
@@ -979,6 +983,8 @@ class DCPEngine:
                 # Collective save: rank 0's skeleton describes the checkpoint; the others'
                 # contribute tensors only (DCP would keep one arbitrary rank's byte item).
                 flat.pop(SKELETON_KEY)
+            if collective:  # which replicated tensors are not equal on every rank (write/replicas.py)
+                mine = replicas.fingerprints(flat)
             if isinstance(path, str):  # object store: a fresh generation prefix, no folders to make
                 writer = _CommitWriter(path, single_file_per_rank=True, sync_files=False,
                                        thread_count=self.thread_count)
@@ -993,8 +999,10 @@ class DCPEngine:
             error = exc
         if collective:
             # No rank enters DCP's collectives unless every rank is ready: a failure here on
-            # one rank is an error on all of them, not a hang.
-            self.ranks.agree(error, f"checkpoint save to {what}")
+            # one rank is an error on all of them, not a hang. The same exchange carries every
+            # rank's fingerprints: a tensor that differs is stored per rank.
+            gathered = self.ranks.agree(error, f"checkpoint save to {what}", mine)
+            replicas.store_per_rank(flat, replicas.differing(gathered), rank, len(gathered))
         if not asynchronous:
             error = None
             try:
@@ -1161,6 +1169,7 @@ class DCPEngine:
         ``weights_only`` is applied to the skeleton as ``torch.load`` would. ``read_threads``:
         files read at once (1 bounds the memory of the read buffers to one item's)."""
         self.join(path)  # also another engine of this process still writing it
+        self.last_per_rank = {}
         path = check_complete(path, self.storage_options)
         reader = reader_of(path, self.storage_options, threads=read_threads)
         try:
@@ -1176,8 +1185,20 @@ class DCPEngine:
         given = flat_tensors(template) if template is not None else {}
         flat: dict[str, Any] = {SKELETON_KEY: None}
         allocated: set[str] = set()
+        grouped = dist.is_available() and dist.is_initialized()
+        own, other_world = replicas.restore_per_rank(entries, dist.get_rank() if grouped else 0,
+                                                     dist.get_world_size() if grouped else 1)
+        replicas.warn_world_change(other_world)
+        replaced = set(own.values())
         for fqn, md in entries.items():
+            if replicas.is_per_rank_key(fqn) and fqn not in own:
+                continue  # another rank's copy (or rank 0's usual key serves this run)
+            if fqn in replaced:
+                continue  # this rank reads its own copy instead
             if isinstance(md, TensorStorageMetadata):
+                if fqn in own and own[fqn] in given:  # this rank's copy, straight into the template
+                    flat[fqn] = given[own[fqn]]
+                    continue
                 if fqn in given:
                     flat[fqn] = given[fqn]
                 else:  # placeholder (not touched): the read tensor replaces it
@@ -1206,6 +1227,9 @@ class DCPEngine:
                 ) from planner.refused
             raise CheckpointCorruptError(f"failed to read checkpoint {path}: {exc!r}") from exc
         skeleton = flat.pop(SKELETON_KEY)
+        for fqn, usual in own.items():
+            flat[usual] = flat.pop(fqn)
+        self.last_per_rank = {usual: flat[usual] for usual in own.values()}
         return fill(skeleton, flat)
 
     def remove(self, path: PathLike) -> None:

@@ -1,0 +1,123 @@
+"""Write: replicated tensors that are not equal on every rank.
+
+torch DCP treats a tensor that is not sharded (no ``DTensor`` / ``ShardedTensor``) as
+identical on every rank and writes it once, from whichever rank its de-duplication picks.
+Under DDP that holds for parameters and optimizer states, not for state a rank keeps of its
+own: BatchNorm running statistics (each rank updates them in its own forward; DDP broadcasts
+rank 0's at the start of the next one), or buffers a user never synchronizes (a per-rank
+experience buffer, per-rank running reward statistics).
+
+So a collective save agrees, per tensor, whether it is equal on every rank: each rank sends a
+fingerprint of each of its replicated tensors (CRC32C of the bytes for CPU tensors; for
+device tensors two position-weighted sums computed on the device, 16 bytes copied back) with
+the agreement every save already makes; no tensor is gathered. A tensor equal everywhere is
+stored once, as before. One that differs is stored under its usual key by rank 0 only (so
+``convert``, a stock DCP load and Lightning's view of the checkpoint see rank 0's copy, as in
+Lightning's own checkpoint) and by every other rank under
+``areal_per_rank/{world_size}/{rank}/{key}``. At load, each rank of a run with the same
+world size takes its own copy back; under another world size every rank takes rank 0's (what
+DDP itself would broadcast), and the tensors concerned are named in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from areal_lightning.write.checksum import crc32c
+from areal_lightning.write.raw import tensor_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PREFIX", "fingerprints", "differing", "store_per_rank", "restore_per_rank", "is_per_rank_key",
+           "warn_world_change"]
+
+PREFIX = "areal_per_rank/"
+"""Key prefix of the per-rank copies: ``areal_per_rank/{world_size}/{rank}/{key}``."""
+
+
+def _replicated(value: Any) -> bool:
+    """A plain tensor (not a ``DTensor`` / ``ShardedTensor``: those are sharded by their owner)."""
+    return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and not hasattr(value, "local_shards")
+
+
+def _device_fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Two position-weighted sums of each tensor's bytes, computed where the tensor is (one copy
+    of 16 bytes per tensor back to the host, for all of them at once)."""
+    sums = []
+    for t in tensors:
+        words = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+        weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+        sums.append(torch.stack([words.sum(), (words * weights).sum()]))
+    if not sums:
+        return []
+    return [tuple(pair) for pair in torch.stack(sums).cpu().tolist()]
+
+
+def fingerprints(flat: Mapping[str, Any]) -> dict[str, tuple]:
+    """``{key: fingerprint}`` of every replicated tensor of a flat state dict: dtype, shape
+    and a digest of the bytes (exact for all practical purposes, no tensor leaves the rank)."""
+    out: dict[str, tuple] = {}
+    on_device: list[tuple[str, torch.Tensor]] = []
+    for key, value in flat.items():
+        if not _replicated(value):
+            continue
+        if value.is_cpu:
+            data = value.detach()
+            if not data.is_contiguous():
+                data = data.contiguous()
+            out[key] = (str(value.dtype), tuple(value.shape), crc32c(tensor_bytes(data)))
+        else:
+            on_device.append((key, value))
+    for (key, value), digest in zip(on_device, _device_fingerprints([v for _, v in on_device])):
+        out[key] = (str(value.dtype), tuple(value.shape), digest)
+    return out
+
+
+def differing(gathered: list[Mapping[str, tuple]]) -> list[str]:
+    """Keys (present on every rank) whose fingerprints are not the same on every rank; the same
+    list on every rank, given every rank's fingerprints."""
+    common = set(gathered[0]).intersection(*gathered[1:])
+    return sorted(key for key in common if any(g[key] != gathered[0][key] for g in gathered[1:]))
+
+
+def store_per_rank(flat: dict[str, Any], keys: Iterable[str], rank: int, world_size: int) -> None:
+    """On ranks other than 0, move each of ``keys`` to its per-rank key (rank 0 keeps the
+    usual key, so it alone writes it). In place."""
+    if rank == 0:
+        return
+    for key in keys:
+        flat[f"{PREFIX}{world_size}/{rank}/{key}"] = flat.pop(key)
+
+
+def is_per_rank_key(key: str) -> bool:
+    """Whether ``key`` is a per-rank copy."""
+    return key.startswith(PREFIX)
+
+
+def restore_per_rank(keys: Iterable[str], rank: int, world_size: int) -> tuple[dict[str, str], list[str]]:
+    """For the saved keys ``keys``: ``({per-rank key: usual key} to load for this rank, [usual
+    keys saved per rank that this run resolves to rank 0's copy])``. ``rank``/``world_size``:
+    this process's (0 and 1 without a process group: rank 0's copies)."""
+    mine: dict[str, str] = {}
+    other_world: set[str] = set()
+    for key in keys:
+        if not is_per_rank_key(key):
+            continue
+        world, owner, usual = key[len(PREFIX):].split("/", 2)
+        if int(world) == world_size and int(owner) == rank:
+            mine[key] = usual
+        elif int(world) != world_size and world_size > 1:
+            other_world.add(usual)
+    return mine, sorted(other_world)
+
+
+def warn_world_change(keys: list[str]) -> None:
+    """The warning of a load under another world size that resolves per-rank tensors."""
+    if keys:
+        shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        log.warning("areal_lightning: %d tensor(s) differed across the ranks that saved this checkpoint (%s); "
+                    "under another world size every rank continues from rank 0's copy, as DDP broadcasts it",
+                    len(keys), shown)
