@@ -23,10 +23,10 @@ The bridge is installed by :class:`~areal_lightning.RecoverCallback` and
 ``state_dict_type="sharded"`` and ``ModelParallelStrategy`` to
 ``save_distributed_checkpoint=True`` (a full-state gather on rank 0 is what it avoids).
 
-Contract (as for any DCP save): a tensor stored under the same key on several ranks must
-hold the same value on each (true for DDP's parameters, buffers and optimizer states);
-per-rank state goes under per-rank keys (``RecoverCallback`` gathers RNG and dataloader
-positions into ``per_rank``).
+A replicated tensor that is not equal on every rank (BatchNorm statistics, buffers a user
+keeps per rank) is found at each save by fingerprint and stored per rank, and each rank reads
+its own copy back (:mod:`areal_lightning.write.replicas`); other per-rank state goes under
+per-rank keys (``RecoverCallback`` gathers RNG and dataloader positions into ``per_rank``).
 """
 
 from __future__ import annotations
