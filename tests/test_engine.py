@@ -501,7 +501,7 @@ def test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes(tmp_path: P
     assert engine._layout is None
 
 
-def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back_per_rank(caplog) -> None:
+def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back_per_rank(caplog, monkeypatch) -> None:
     """write/replicas.py: which tensors differ across ranks (host CRC32C, and the device digest
     computed here on CPU tensors), where they are stored, and which copy each rank reads."""
     from areal_lightning.write import replicas
@@ -514,6 +514,11 @@ def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back
     assert replicas.differing(gathered) == ["bn.mean"]
     assert replicas._device_fingerprints([a["bn.mean"]]) != replicas._device_fingerprints([b["bn.mean"]])
     assert replicas._device_fingerprints([a["w"]]) == replicas._device_fingerprints([b["w"].clone()])
+    monkeypatch.setattr(replicas, "_CHUNK", 8)  # the device digest a chunk at a time: a change past the first
+    long, changed = torch.arange(37.0), torch.arange(37.0)
+    changed[30] += 1
+    digests = replicas._device_fingerprints([long, changed, long.clone(), torch.zeros(0)])
+    assert digests[0] == digests[2] != digests[1]
     flat0, flat1 = dict(a), dict(b)
     replicas.store_per_rank(flat0, ["bn.mean"], rank=0, world_size=2)
     replicas.store_per_rank(flat1, ["bn.mean"], rank=1, world_size=2)

@@ -43,14 +43,22 @@ def _replicated(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and not hasattr(value, "local_shards")
 
 
+_CHUNK = 1 << 22  # bytes summed at once on the device: bounds the scratch memory to ~100 MB
+
+
 def _device_fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """Two position-weighted sums of each tensor's bytes, computed where the tensor is (one copy
-    of 16 bytes per tensor back to the host, for all of them at once)."""
+    """Two position-weighted sums of each tensor's bytes, computed where the tensor is, a chunk
+    at a time (one copy of 16 bytes per tensor back to the host, for all of them at once)."""
     sums = []
     for t in tensors:
-        words = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-        weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-        sums.append(torch.stack([words.sum(), (words * weights).sum()]))
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        weights = torch.arange(min(_CHUNK, data.numel()), device=data.device, dtype=torch.int64)
+        total = torch.zeros(2, dtype=torch.int64, device=data.device)
+        for start in range(0, data.numel(), _CHUNK):
+            chunk = data[start:start + _CHUNK].to(torch.int64)
+            position = (weights[:chunk.numel()] + start) % 65521 + 1
+            total += torch.stack([chunk.sum(), (chunk * position).sum()])
+        sums.append(total)
     if not sums:
         return []
     return [tuple(pair) for pair in torch.stack(sums).cpu().tolist()]
