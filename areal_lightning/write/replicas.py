@@ -39,8 +39,11 @@ PREFIX = "areal_per_rank/"
 
 
 def _replicated(value: Any) -> bool:
-    """A plain tensor (not a ``DTensor`` / ``ShardedTensor``: those are sharded by their owner)."""
-    return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and not hasattr(value, "local_shards")
+    """A dense, unquantized tensor that is not a ``DTensor`` / ``ShardedTensor`` (those are
+    sharded by their owner); sparse and quantized tensors have no flat bytes to fingerprint and
+    keep DCP's write-once treatment."""
+    return (isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh")
+            and not hasattr(value, "local_shards") and value.layout == torch.strided and not value.is_quantized)
 
 
 _CHUNK = 1 << 22  # bytes summed at once on the device: bounds the scratch memory to ~100 MB
