@@ -340,3 +340,54 @@ def test_a_peft_model_over_a_plain_module_exports_its_adapter_and_its_merged_exp
                                         r"transformers.PreTrainedModel, so it has no merged HF export \(supported: "):
         make_trainer([saver], max_epochs=1).fit(LoRAOverMLP(), token_loader())
     assert not (tmp_path / "merged" / "checkpoints").exists()
+
+
+def test_an_adapter_export_over_a_base_with_no_name_is_refused_at_setup_and_merged_loads(tmp_path) -> None:
+    """A LoRA model over a base built from a config (no name or path: ``adapter_config.json`` would
+    say ``"base_model_name_or_path": null``, and ``AutoPeftModelForCausalLM`` would look for it on the
+    Hub) with the default ``peft_export="adapter"``: refused at setup, before the first step, naming
+    the field and the exports that load; nothing is written. ``peft_export="merged"`` on the same
+    model: the last export loads with ``AutoModelForCausalLM`` and gives the live model's logits.
+    A name given by the user (the base saved, its path set in the adapter's config): the adapter
+    export loads with ``AutoPeftModelForCausalLM``."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from areal_lightning.errors import ConfigError
+
+    def lora_from_config(save_base: Path | None = None) -> torch.nn.Module:
+        base = tiny_llama()
+        if save_base is not None:
+            base.save_pretrained(save_base)
+        torch.manual_seed(1)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights="gaussian"))
+        if save_base is not None:
+            model.peft_config["default"].base_model_name_or_path = str(save_base)
+        return model
+
+    def run(root: Path, module: LMModule, **saver) -> None:
+        where = dict(fileroot=root, experiment_name="e", trial_name="t", user="u")
+        make_trainer([RecoverCallback(**where, freq_steps=4), HFSaverCallback(**where, freq_steps=4, **saver)],
+                     max_epochs=1).fit(module, token_loader())
+
+    pl.seed_everything(0, verbose=False)
+    module = LMModule(lora_from_config())
+    with pytest.raises(ConfigError, match=r"peft_export: HFSaverCallback\(name='default'\): 'adapter' \(the default\) .*'default' has no "
+                                          r"base_model_name_or_path.*peft_export='merged' or 'both'"):
+        run(tmp_path / "adapter", module)
+    assert module.losses == []  # no step ran; only the trial's lock file was made (by RecoverCallback's setup)
+    assert [p.name for p in (tmp_path / "adapter").rglob("*") if p.is_file()] == [".lock"]
+
+    pl.seed_everything(0, verbose=False)
+    module = LMModule(lora_from_config())
+    run(tmp_path / "merged", module, peft_export="merged")
+    last = exports(tmp_path / "merged")[-1]
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(last)), logits(module.model),
+                               rtol=1e-5, atol=1e-5)
+
+    module = LMModule(lora_from_config(save_base=tmp_path / "base"))
+    run(tmp_path / "named", module)
+    last = exports(tmp_path / "named")[-1]
+    torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(last)), logits(module.model),
+                               rtol=1e-6, atol=1e-6)

@@ -29,7 +29,7 @@ import torch
 from areal_lightning.capture.compiled import plain_name, uncompiled
 from areal_lightning.errors import CheckpointWriteError
 
-__all__ = ["is_peft", "over_pretrained", "check_exportable", "adapter_entries", "plain_state", "peft_twin", "follow", "layer_merges", "loaded", "merged_state_dict"]
+__all__ = ["is_peft", "over_pretrained", "check_exportable", "unnamed_bases", "adapter_entries", "plain_state", "peft_twin", "follow", "layer_merges", "loaded", "merged_state_dict"]
 
 
 def is_peft(model: Any) -> bool:
@@ -78,6 +78,16 @@ def check_exportable(model: Any, merged: bool) -> None:
         if isinstance(module, BaseTunerLayer):
             for adapter in module.active_adapters:
                 _check_mergeable(plain_name(name), module, adapter)
+
+
+def unnamed_bases(model: Any) -> list[str]:
+    """The adapters of the PEFT ``model`` over a ``transformers.PreTrainedModel`` whose config names
+    no base (``base_model_name_or_path`` empty: a base built from a config or assembled in code).
+    Their adapter export would say ``"base_model_name_or_path": null``, and
+    ``AutoPeftModelForCausalLM.from_pretrained`` would look for that base on the Hub."""
+    if not over_pretrained(model):
+        return []  # no AutoPeft loading for a plain module: PeftModel.from_pretrained(module, dir)
+    return [name for name, config in model.peft_config.items() if not config.base_model_name_or_path]
 
 
 def adapter_entries(state: Mapping[str, torch.Tensor], adapters: Any) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 
 from areal_lightning.capture.compiled import uncompiled
 from areal_lightning.capture.hf_weights import fsdp1_root
-from areal_lightning.capture.peft_weights import check_exportable, is_peft
+from areal_lightning.capture.peft_weights import check_exportable, is_peft, unnamed_bases
 from areal_lightning.collective import (
     DEFAULT_TIMEOUT_S,
     CheckpointGroup,
@@ -95,7 +95,9 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         peft_export: for a ``peft.PeftModel``: ``"adapter"`` (default: what ``PeftModel.save_pretrained``
             writes, small, loaded with ``AutoPeftModelForCausalLM``), ``"merged"`` (full weights with the
             adapters merged in, loaded with ``AutoModelForCausalLM``: what an inference engine takes) or
-            ``"both"`` (merged in the folder, the adapter in its ``adapter/`` subfolder).
+            ``"both"`` (merged in the folder, the adapter in its ``adapter/`` subfolder). ``"adapter"``
+            over a base with no ``base_model_name_or_path`` (built from a config) is refused at setup:
+            its export would not load on its own.
         storage_options: options of the object-store file system when ``fileroot`` is an
             ``s3://`` / ``gs://`` / ``az://`` URI (credentials otherwise come from the standard
             provider chain). On an object store each export is written to ``staging_dir``,
@@ -244,6 +246,17 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             except TypeError as exc:
                 raise TypeError(f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__}: "
                                 f"{exc}") from None
+            unnamed = unnamed_bases(model) if self.peft_export == "adapter" else []
+            if unnamed:
+                raise ConfigError(
+                    "peft_export", f"HFSaverCallback(name={self.name!r}): 'adapter' (the default) for the PeftModel at {where} of "
+                    f"{type(pl_module).__name__}, whose adapter {', '.join(map(repr, unnamed))} has no "
+                    "base_model_name_or_path (a base built from a config or in code): its adapter export would not "
+                    "load with AutoPeftModelForCausalLM.from_pretrained (it would look for a base named None on "
+                    "the Hub). Use peft_export='merged' or 'both' (full weights that load on their own with "
+                    "AutoModelForCausalLM), or save the base with save_pretrained and set "
+                    "peft_config[adapter].base_model_name_or_path to its path or Hub id"
+                )
         elif not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__} is a "
