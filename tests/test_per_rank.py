@@ -22,16 +22,19 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "train_per_rank.py"
 
-CASES = {  # model, ranks, epochs, the step every rank is killed at (mid-epoch, two steps after a save)
-    "batchnorm-2-ranks": ("bn", 2, 2, 8),  # 6 steps an epoch, saves every 3
-    "batchnorm-4-ranks": ("bn", 4, 3, 8),  # 3 steps an epoch
-    "per-rank-buffers-manual-optimization-2-ranks": ("rl", 2, 2, 16),  # 2 optimizer steps a batch
+CASES = {  # model, ranks, epochs, the step every rank is killed at (mid-epoch, two steps after a save), options
+    "batchnorm-2-ranks": ("bn", 2, 2, 8, ()),  # 6 steps an epoch, saves every 3
+    "batchnorm-4-ranks": ("bn", 4, 3, 8, ()),  # 3 steps an epoch
+    # ZeRO-1: Lightning consolidates the optimizer state on rank 0 and gives the other ranks none
+    "batchnorm-zero-redundancy-optimizer-2-ranks": ("bn", 2, 2, 8, ("--optimizer", "zero")),
+    # 2 optimizer steps a batch; a torchmetrics metric with persistent per-rank states
+    "per-rank-buffers-manual-optimization-2-ranks": ("rl", 2, 2, 16, ()),
 }
 
 
-def command(model: str, ranks: int, epochs: int, root: str, *extra: str) -> list[str]:
+def command(model: str, ranks: int, epochs: int, root: str, options: tuple[str, ...], *extra: str) -> list[str]:
     return [sys.executable, str(SCRIPT), "--root", root, "--model", model, "--devices", str(ranks),
-            "--epochs", str(epochs), *extra]
+            "--epochs", str(epochs), *options, *extra]
 
 
 def final(root: Path, rank: int) -> dict:
@@ -40,13 +43,13 @@ def final(root: Path, rank: int) -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_rank_resumes_its_own_state_bit_for_bit(name, tmp_path, tmp_path_factory) -> None:
-    model, ranks, epochs, kill_at = CASES[name]
-    ref_root, ref = reference_run(tmp_path_factory, command(model, ranks, epochs, "{root}"), timeout=600)
+    model, ranks, epochs, kill_at, options = CASES[name]
+    ref_root, ref = reference_run(tmp_path_factory, command(model, ranks, epochs, "{root}", options), timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    killed = subprocess.run(command(model, ranks, epochs, str(tmp_path), "--kill-at-step", str(kill_at)),
+    killed = subprocess.run(command(model, ranks, epochs, str(tmp_path), options, "--kill-at-step", str(kill_at)),
                             capture_output=True, text=True, timeout=600, cwd=REPO)
     assert killed.returncode != 0 and not (tmp_path / "final.rank0.pt").exists(), killed.stderr[-3000:]
-    resumed = subprocess.run(command(model, ranks, epochs, str(tmp_path)), capture_output=True, text=True, timeout=600,
+    resumed = subprocess.run(command(model, ranks, epochs, str(tmp_path), options), capture_output=True, text=True, timeout=600,
                              cwd=REPO)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr + resumed.stdout

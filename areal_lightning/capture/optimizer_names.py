@@ -39,8 +39,8 @@ def is_by_name(state: Mapping[str, Any]) -> bool:
 def by_name(optimizer: torch.optim.Optimizer, state: dict[str, Any], names: Mapping[int, str]) -> dict[str, Any]:
     """``state`` (``optimizer.state_dict()``, keyed by position) keyed by parameter name; the
     tensors are the same objects. Returned unchanged when a parameter has no name."""
-    if is_by_name(state) or not names_every_parameter(optimizer, names):
-        return state
+    if "param_groups" not in state or is_by_name(state) or not names_every_parameter(optimizer, names):
+        return state  # also the {} a ZeroRedundancyOptimizer gives on the ranks it does not consolidate to
     name_of: dict[Any, str] = {}
     for saved, live in zip(state["param_groups"], optimizer.param_groups):
         name_of.update({index: names[id(p)] for index, p in zip(saved["params"], live["params"])})

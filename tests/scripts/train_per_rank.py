@@ -23,7 +23,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
@@ -51,9 +53,9 @@ def log_loss(root: Path, rank: int, step: int, loss: torch.Tensor) -> None:
 
 
 class BNNet(pl.LightningModule):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, optimizer: str = "adamw") -> None:
         super().__init__()
-        self.root = root
+        self.root, self.optimizer = root, optimizer
         layers: list[nn.Module] = []
         width = 8
         for _ in range(4):
@@ -68,6 +70,8 @@ class BNNet(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer == "zero":  # ZeRO-1: each rank keeps the optimizer state of its own partition
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def probe(self) -> torch.Tensor:
@@ -88,6 +92,8 @@ class ActorCritic(pl.LightningModule):
         self.register_buffer("filled", torch.zeros((), dtype=torch.long))
         self.register_buffer("reward_mean", torch.zeros(()))
         self.register_buffer("reward_var", torch.ones(()))
+        self.reward_metric = torchmetrics.MeanMetric()  # this rank's rewards (no sync before compute)
+        self.reward_metric.persistent(True)  # its states in the state_dict, as a user keeps a metric's progress
 
     def on_train_start(self) -> None:
         if int(self.filled) == 0:  # a fresh start (a resume brings the buffers back)
@@ -106,6 +112,7 @@ class ActorCritic(pl.LightningModule):
             slot = int(self.filled) % self.experience.shape[0]
             self.experience[slot: slot + len(states)] = states[: self.experience.shape[0] - slot]
             self.filled += 1
+        self.reward_metric.update(reward)
         replay = torch.cat([states, self.experience[:4]])
         advantage = ((reward - self.reward_mean) / self.reward_var.sqrt()).detach()
         value = self.critic(replay).squeeze(-1)
@@ -145,9 +152,10 @@ def main() -> None:
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--freq-steps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw")
     args = p.parse_args()
     pl.seed_everything(0, verbose=False)
-    model = BNNet(args.root) if args.model == "bn" else ActorCritic(args.root)
+    model = BNNet(args.root, args.optimizer) if args.model == "bn" else ActorCritic(args.root)
     callbacks: list = [Final(), RecoverCallback(fileroot=str(args.root), experiment_name="e", trial_name="t",
                                                 freq_steps=args.freq_steps)]
     if args.kill_at_step is not None:
