@@ -526,7 +526,8 @@ def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back
     keys = set(flat0) | set(flat1)
     assert replicas.restore_per_rank(keys, rank=1, world_size=2) == ({"areal_per_rank/2/1/bn.mean": "bn.mean"}, [])
     assert replicas.restore_per_rank(keys, rank=0, world_size=2) == ({}, [])  # rank 0: the usual key
-    assert replicas.restore_per_rank(keys, rank=0, world_size=1) == ({}, [])  # convert: rank 0's copy
+    # one process (a 1-rank resume, or convert): rank 0's copy, named in the warning
+    assert replicas.restore_per_rank(keys, rank=0, world_size=1) == ({}, ["bn.mean"])
     assert replicas.restore_per_rank(keys, rank=2, world_size=4) == ({}, ["bn.mean"])  # another world size
     with caplog.at_level("WARNING"):
         replicas.warn_world_change(["bn.mean"])

@@ -42,7 +42,7 @@ def final(root: Path, rank: int) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_rank_resumes_its_own_state_bit_for_bit(name, tmp_path, tmp_path_factory) -> None:
+def test_every_rank_resumes_its_own_state_bit_for_bit(name, tmp_path, tmp_path_factory, caplog) -> None:
     model, ranks, epochs, kill_at, options = CASES[name]
     ref_root, ref = reference_run(tmp_path_factory, command(model, ranks, epochs, "{root}", options), timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -67,7 +67,9 @@ def test_every_rank_resumes_its_own_state_bit_for_bit(name, tmp_path, tmp_path_f
     states = [final(ref_root, r)["state"] for r in range(ranks)]
     own = [k for k in states[0] if any(not torch.equal(states[0][k], s[k]) for s in states[1:])]
     assert own, "no tensor differs across the ranks"
-    # convert takes rank 0's copy, as Lightning's own checkpoint holds it
-    converted = torch.load(convert(tmp_path, "lightning", tmp_path / "converted.ckpt"), weights_only=True)
+    # convert takes rank 0's copy, as Lightning's own checkpoint holds it, and says which tensors it resolved so
+    with caplog.at_level("WARNING", logger="areal_lightning"):
+        converted = torch.load(convert(tmp_path, "lightning", tmp_path / "converted.ckpt"), weights_only=True)
+    assert "rank 0's copy" in caplog.text and any(k in caplog.text for k in own), caplog.text
     mine = final(tmp_path, 0)["state"]
     assert all(torch.equal(converted["state_dict"][k], mine[k]) for k in own), own

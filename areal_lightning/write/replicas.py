@@ -120,7 +120,7 @@ def restore_per_rank(keys: Iterable[str], rank: int, world_size: int) -> tuple[d
         world, owner, usual = key[len(PREFIX):].split("/", 2)
         if int(world) == world_size and int(owner) == rank:
             mine[key] = usual
-        elif int(world) != world_size and world_size > 1:
+        elif int(world) != world_size:  # also one process: a 1-rank resume, or convert
             other_world.add(usual)
     return mine, sorted(other_world)
 
@@ -130,5 +130,5 @@ def warn_world_change(keys: list[str]) -> None:
     if keys:
         shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
         log.warning("areal_lightning: %d tensor(s) differed across the ranks that saved this checkpoint (%s); "
-                    "under another world size every rank continues from rank 0's copy, as DDP broadcasts it",
+                    "this load under another world size (or convert) takes rank 0's copy of each, the one DDP broadcasts",
                     len(keys), shown)
