@@ -77,6 +77,18 @@ def test_many_tensors_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     assert "64/4" in proc.stdout
 
 
+def test_replicated_fingerprints_benchmark_runs_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "fp.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "replicated_fingerprints.py"), "--mb", "1",
+                           "--count", "8", "--repeats", "1", "--workdir", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["median_s"]) == {"fingerprints", "dcp_sync", "torch_save", "memcpy"}
+    assert all(t > 0 for t in doc["median_s"].values()) and doc["ratios"]["fingerprints_over_dcp_sync"] > 0
+    assert "fingerprints / dcp_sync" in proc.stdout
+
+
 def test_checkpoint_io_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     out = tmp_path / "checkpoint_io.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_io.py"), "--size-mb", "16",
