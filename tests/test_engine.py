@@ -519,6 +519,11 @@ def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back
     changed[30] += 1
     digests = replicas._device_fingerprints([long, changed, long.clone(), torch.zeros(0)])
     assert digests[0] == digests[2] != digests[1]
+    monkeypatch.setattr(replicas, "_PIECE", 8)  # host tensors in pieces hashed by threads: a change past the first
+    monkeypatch.setattr(replicas, "_THREADS", 2)
+    pieces = replicas.fingerprints({"long": long, "changed": changed, "same": long.clone(), "empty": torch.zeros(0)})
+    assert pieces["long"] == pieces["same"] != pieces["changed"] and len(pieces["long"][2]) == 37 * 4 // 8 + 1
+    assert replicas.differing([replicas.fingerprints(a), replicas.fingerprints(b)]) == ["bn.mean"]
     flat0, flat1 = dict(a), dict(b)
     replicas.store_per_rank(flat0, ["bn.mean"], rank=0, world_size=2)
     replicas.store_per_rank(flat1, ["bn.mean"], rank=1, world_size=2)

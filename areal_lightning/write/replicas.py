@@ -8,7 +8,8 @@ rank 0's at the start of the next one), or buffers a user never synchronizes (a 
 experience buffer, per-rank running reward statistics).
 
 So a collective save agrees, per tensor, whether it is equal on every rank: each rank sends a
-fingerprint of each of its replicated tensors (CRC32C of the bytes for CPU tensors; for
+fingerprint of each of its replicated tensors (CRC32C of the bytes for CPU tensors, 16 MB pieces
+hashed in parallel threads; for
 device tensors two position-weighted sums computed on the device, 16 bytes copied back) with
 the agreement every save already makes; no tensor is gathered. A tensor equal everywhere is
 stored once, as before. One that differs is stored under its usual key by rank 0 only (so
@@ -22,6 +23,8 @@ DDP itself would broadcast), and the tensors concerned are named in a warning.
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -67,21 +70,41 @@ def _device_fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     return [tuple(pair) for pair in torch.stack(sums).cpu().tolist()]
 
 
+_PIECE = 16 << 20  # bytes of a host tensor hashed as one piece (pieces are hashed in parallel)
+_THREADS = min(8, os.cpu_count() or 1)  # CRC32C releases the GIL: the pieces scale with the cores
+
+
+def _host_digests(tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
+    """CRC32C of each host tensor's bytes, one per piece of ``_PIECE`` bytes, the pieces of all
+    tensors hashed by up to ``_THREADS`` threads (a replicated save hashes every rank's whole
+    replicated state: one thread would cost about a memcpy of it)."""
+    pieces: list[tuple[int, memoryview]] = []
+    for index, t in enumerate(tensors):
+        data = t.detach()
+        view = tensor_bytes(data if data.is_contiguous() else data.contiguous())
+        pieces += [(index, view[start:start + _PIECE]) for start in range(0, max(len(view), 1), _PIECE)]
+    if len(pieces) > 1 and _THREADS > 1:
+        with ThreadPoolExecutor(_THREADS, thread_name_prefix="areal-fingerprint") as pool:
+            digests = list(pool.map(lambda piece: crc32c(piece[1]), pieces))
+    else:
+        digests = [crc32c(view) for _, view in pieces]
+    out: list[list[int]] = [[] for _ in tensors]
+    for (index, _), digest in zip(pieces, digests):
+        out[index].append(digest)
+    return [tuple(d) for d in out]
+
+
 def fingerprints(flat: Mapping[str, Any]) -> dict[str, tuple]:
     """``{key: fingerprint}`` of every replicated tensor of a flat state dict: dtype, shape
     and a digest of the bytes (exact for all practical purposes, no tensor leaves the rank)."""
     out: dict[str, tuple] = {}
+    on_host: list[tuple[str, torch.Tensor]] = []
     on_device: list[tuple[str, torch.Tensor]] = []
     for key, value in flat.items():
-        if not _replicated(value):
-            continue
-        if value.is_cpu:
-            data = value.detach()
-            if not data.is_contiguous():
-                data = data.contiguous()
-            out[key] = (str(value.dtype), tuple(value.shape), crc32c(tensor_bytes(data)))
-        else:
-            on_device.append((key, value))
+        if _replicated(value):
+            (on_host if value.is_cpu else on_device).append((key, value))
+    for (key, value), digest in zip(on_host, _host_digests([v for _, v in on_host])):
+        out[key] = (str(value.dtype), tuple(value.shape), digest)
     for (key, value), digest in zip(on_device, _device_fingerprints([v for _, v in on_device])):
         out[key] = (str(value.dtype), tuple(value.shape), digest)
     return out
