@@ -76,14 +76,15 @@ _THREADS = min(8, os.cpu_count() or 1)  # CRC32C releases the GIL: the pieces sc
 
 def _host_digests(tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
     """CRC32C of each host tensor's bytes, one per piece of ``_PIECE`` bytes, the pieces of all
-    tensors hashed by up to ``_THREADS`` threads (a replicated save hashes every rank's whole
-    replicated state: one thread would cost about a memcpy of it)."""
+    tensors hashed by up to ``_THREADS`` threads once there are two pieces' worth of bytes (a
+    replicated save hashes every rank's whole replicated state: one thread would cost about a
+    memcpy of it; a small state is hashed on the calling thread, without starting threads)."""
     pieces: list[tuple[int, memoryview]] = []
     for index, t in enumerate(tensors):
         data = t.detach()
         view = tensor_bytes(data if data.is_contiguous() else data.contiguous())
         pieces += [(index, view[start:start + _PIECE]) for start in range(0, max(len(view), 1), _PIECE)]
-    if len(pieces) > 1 and _THREADS > 1:
+    if _THREADS > 1 and len(pieces) > 1 and sum(len(view) for _, view in pieces) >= 2 * _PIECE:
         with ThreadPoolExecutor(_THREADS, thread_name_prefix="areal-fingerprint") as pool:
             digests = list(pool.map(lambda piece: crc32c(piece[1]), pieces))
     else:
