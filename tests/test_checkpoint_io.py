@@ -235,3 +235,18 @@ def test_a_crash_between_the_two_renames_is_rolled_forward_at_load(tmp_path: Pat
     loaded = DCPCheckpointIO("sync").load_checkpoint(tmp_path / "ckpt")
     assert torch.equal(loaded["state_dict"]["w"], torch.full((4,), 2.0 if new_written else 1.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_missing_checkpoint_is_not_found_and_its_unrelated_siblings_are_left_alone(tmp_path: Path) -> None:
+    """No checkpoint at the path and no interrupted commit of it, but other folders beside it (another
+    checkpoint, its leftovers, a user's files): the load raises FileNotFoundError naming the path, and
+    nothing beside it is renamed or removed."""
+    from areal_lightning.write.dcp import DCPEngine
+
+    DCPEngine().save(_state(1.0), tmp_path / "other")
+    DCPEngine().save(_state(2.0), tmp_path / ".old-other-0123456789ab")  # another checkpoint's leftover
+    (tmp_path / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(FileNotFoundError, match="ckpt"):
+        DCPCheckpointIO("sync").load_checkpoint(tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
