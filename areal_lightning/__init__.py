@@ -21,7 +21,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from areal_lightning.version import __version__
 
 # Like Lightning does for its own logger: show our INFO lines (saves, resumes) unless the
 # application configured logging itself.

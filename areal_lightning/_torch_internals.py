@@ -1,4 +1,5 @@
-"""The only module that touches torch's private names (torch 2.13).
+"""The only module that touches the private names of torch (2.13), transformers, peft and the
+standard library (Lightning's are in :mod:`areal_lightning.lightning._internals`).
 
 Each function or constant below names the private it reads, builds or replaces; every one is
 pinned by ``tests/test_torch_internals.py`` against the installed torch, so a torch upgrade
@@ -37,7 +38,15 @@ Why each is needed (public torch has no equivalent):
   ``Stateful``, so saves call what follows that pass, ``state_dict_saver._save_state_dict``,
   and loads ``state_dict_loader._load_state_dict`` (``dcp.load``'s protocol check of every
   value cost about 45 us per tensor).
-* ``torch.compile``'s ``OptimizedModule`` holds the user's module as ``_orig_mod`` only.
+* ``torch.compile``'s ``OptimizedModule`` holds the user's module as ``_orig_mod`` only; FSDP1 and
+  activation checkpointing hold it as ``_fsdp_wrapped_module`` / ``_checkpoint_wrapped_module``,
+  module-tree segments that torch's state-dict names leave out.
+* transformers' ``save_pretrained`` reads instance state of the model it saves: the weight-name
+  conversions (``_weight_conversions``) and PEFT's flag ``_hf_peft_config_loaded``; a meta twin
+  saved in the live model's place carries them over.
+* the standard library's ``warnings`` module caches filter decisions per call site until
+  ``warnings._filters_mutated()`` is called (every public filter function calls it; removing a
+  filter from ``warnings.filters`` does not).
 * the exact data position: torch's DataLoader iterators read indices from
   ``DataLoader._index_sampler`` and are built by ``DataLoader._get_iterator``; a tracked loader
   overrides both in a subclass made with ``type()`` and takes it by a ``__class__`` swap
@@ -56,13 +65,17 @@ from torch.distributed.checkpoint.planner import SavePlanner
 __all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "set_plan_cache_key", "cached_save_plan",
            "send_changed_plan", "drop_plan_cache",
            "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
-           "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log", "save_flat_state_dict", "load_flat_state_dict"]
+           "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log", "save_flat_state_dict", "load_flat_state_dict",
+           "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter"]
 
 PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_cached_all_plans",
                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan", "_cached_plans_key", "_pending_local_plan", "_shard",
                  "_init_from_local_shards_and_global_metadata", "_process_group", "_utils", "_orig_mod",
-                 "_index_sampler", "_get_iterator", "_dcp_logger", "_save_state_dict", "_load_state_dict")
-"""torch's private names used here (and nowhere else in the package)."""
+                 "_index_sampler", "_get_iterator", "_dcp_logger", "_save_state_dict", "_load_state_dict",
+                 "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_weight_conversions",
+                 "_hf_peft_config_loaded", "_filters_mutated")
+"""The private names of torch, transformers, peft and the standard library used here (and nowhere
+else in the package)."""
 
 DATA_SUFFIX = ".distcp"
 """The suffix of DCP's data files (``torch.distributed.checkpoint.filesystem.DEFAULT_SUFFIX``)."""
@@ -72,6 +85,30 @@ FsspecFileSystem = _FsspecFileSystem
 
 COMPILED_SEGMENT = "_orig_mod"
 """The attribute (and state-dict name segment) of the module inside ``torch.compile``'s wrapper."""
+
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", COMPILED_SEGMENT)
+"""Module-tree segments that torch's state-dict names leave out (FSDP1, activation
+checkpointing, ``torch.compile``'s ``OptimizedModule``)."""
+
+PEFT_LOADED_FLAG = "_hf_peft_config_loaded"
+"""transformers' instance flag: PEFT adapters were loaded into this ``PreTrainedModel``."""
+
+HF_INSTANCE_STATE = ("_weight_conversions", "hf_quantizer", PEFT_LOADED_FLAG, "peft_config")
+"""Instance state of a ``PreTrainedModel`` that its ``save_pretrained`` reads (weight-name
+conversions, quantizer, PEFT adapters)."""
+
+
+def remove_warning_filter(entry: Any) -> None:
+    """Remove ``entry`` from ``warnings.filters`` (if present) and invalidate the per-call-site
+    caches of filter decisions, as the public filter functions do (``warnings._filters_mutated``)."""
+    import warnings
+
+    if entry in warnings.filters:
+        warnings.filters.remove(entry)
+    mutated = getattr(warnings, "_filters_mutated", None)  # 3.11-3.13; 3.14 names it _filters_mutated_lock_held
+    if callable(mutated):
+        mutated()
+
 
 _PLAN_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
                 "_cached_final_save_plan")

@@ -20,7 +20,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, TypeVar
+import signal
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -185,9 +186,6 @@ class RecoverConfig:
         r = self.retries
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ConfigError(f"{prefix}.retries", f"expected an integer >= 0, got {r!r}")
-        from areal_lightning.capture.loader import FAST_FORWARD_MODES
-        from areal_lightning.trigger.preempt import parse_signals
-
         self.preempt_signals = [s.name for s in parse_signals(self.preempt_signals, f"{prefix}.preempt_signals")]
         self.fast_forward = _mode(self.fast_forward, f"{prefix}.fast_forward", FAST_FORWARD_MODES)
         return self
@@ -397,3 +395,42 @@ def as_experiment(cfg: Any, strict: bool = True) -> ExperimentConfig:
 def structured(schema: type = ExperimentConfig) -> DictConfig:
     """The omegaconf structured config for ``schema`` (for Hydra ``ConfigStore`` or merging)."""
     return OmegaConf.structured(schema)
+
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM",)
+"""The signals that mean "this run is being preempted" unless configured."""
+
+FAST_FORWARD_MODES = ("sampler", "replay")
+"""How a mid-epoch resume passes the batches already trained on (``recover.fast_forward``):
+``sampler`` draws and drops their indices without fetching a sample (map-style datasets, whose
+workers get their random streams back; an ``IterableDataset`` with ``state_dict`` /
+``load_state_dict`` gets its state back instead); ``replay`` fetches them through the dataset."""
+
+_FORBIDDEN = {"SIGKILL", "SIGSTOP"}
+
+
+def parse_signals(value: Any, field: str = "preempt_signals") -> tuple[signal.Signals, ...]:
+    """Signal names (``"SIGTERM"``, ``"USR1"``) or numbers -> signals; ``None`` or empty: none."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)):
+        value = [value]
+    if not isinstance(value, Iterable):
+        raise ConfigError(field, f"expected a list of signal names such as ['SIGTERM', 'SIGUSR1'], got {value!r}")
+    out: list[signal.Signals] = []
+    for item in value:
+        try:
+            if isinstance(item, bool):
+                raise ValueError
+            if isinstance(item, int):
+                sig = signal.Signals(item)
+            else:
+                name = str(item).upper()
+                sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        except (KeyError, ValueError):
+            raise ConfigError(field, f"unknown signal {item!r}; allowed: signal names such as SIGTERM, SIGUSR1, "
+                                     "SIGUSR2, SIGINT (or their numbers)") from None
+        if sig.name in _FORBIDDEN:
+            raise ConfigError(field, f"{sig.name} cannot be caught; allowed: any other signal, such as SIGTERM")
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)

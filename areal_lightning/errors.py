@@ -11,7 +11,9 @@
     │                                                or does not fit this run's data or loaders
     ├── StorageError           (also a RuntimeError) an object store refused or failed an operation;
     │                                                names the bucket and the operation
-    └── TrialLockedError       (also a RuntimeError) another process is training the same trial
+    ├── TrialLockedError       (also a RuntimeError) another process is training the same trial
+    ├── UsageError             (also a RuntimeError) a call at a time or place it cannot work
+    └── InspectUsageError      (also a ValueError)   a path given to a command holds no trial (exit code 2)
 
 ``except AreaLightningError`` catches all of them; the second base keeps the built-in type
 each one had before (``pytest.raises(ValueError)`` still matches a ``ConfigError``).
@@ -28,6 +30,8 @@ __all__ = [
     "RecoverMismatchError",
     "StorageError",
     "TrialLockedError",
+    "InspectUsageError",
+    "UsageError",
     "start_fresh",
 ]
 
@@ -68,6 +72,16 @@ class StorageError(AreaLightningError, RuntimeError):
 
 class TrialLockedError(AreaLightningError, RuntimeError):
     """Another process holds the trial's lock: two runs must not write the same trial."""
+
+
+class UsageError(AreaLightningError, RuntimeError):
+    """A call made where it cannot work (``RecoverCallback.save`` outside ``fit``, a second save
+    while one is in flight where only one may be); the message says where it belongs."""
+
+
+class InspectUsageError(AreaLightningError, ValueError):
+    """The path given to ``inspect`` (``convert``, ``download``) does not exist or holds no trial
+    (exit code 2)."""
 
 
 def start_fresh(info_dir: object = None, sentence: bool = False) -> str:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SaveReport", "Telemetry", "folder_bytes"]
+__all__ = ["SaveReport", "SaveTimer", "Telemetry", "folder_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +99,49 @@ class Telemetry:
         for report in pending:
             for logger in trainer.loggers:
                 logger.log_metrics(report.metrics(), step=report.step)
+
+
+class SaveTimer:
+    """The timing of one recover save, reported once both ends are known: the training loop's
+    part (the call, plus later waits for its host copy) and the durable commit (on rank 0, in
+    the background for an async save, before or after the call returned)."""
+
+    def __init__(self, telemetry: Telemetry, step: int, path: str, retries: Any = None) -> None:
+        self.telemetry = telemetry
+        self.step = step
+        self.path = path
+        self.retries = retries  # a callable giving the object-store retries so far, or None
+        self.start = time.perf_counter()
+        self._lock = threading.Lock()
+        self._held: float | None = None
+        self._waited = 0.0
+        self._written: Any = None
+        self._durable_s = 0.0
+        self._reported = False
+
+    def waited(self, seconds: float) -> None:
+        """The training loop waited ``seconds`` more for this save's host copy."""
+        self._waited += seconds
+
+    def returned(self) -> None:
+        """The save call returned to the training loop."""
+        with self._lock:
+            self._held = time.perf_counter() - self.start
+            self._report()
+
+    def committed(self, written: Any) -> None:
+        """Rank 0 committed the save (``written``: the write stage's
+        :class:`~areal_lightning.write.checksum.Written`)."""
+        with self._lock:
+            self._written, self._durable_s = written, time.perf_counter() - self.start
+            self._report()
+
+    def _report(self) -> None:
+        if self._held is None or self._written is None or self._reported:
+            return
+        self._reported = True
+        w = self._written
+        self.telemetry.record(SaveReport(
+            "recover", self.step, self.path, self._held + self._waited, self._durable_s,
+            sum(f["size"] for f in w.files.values()), w.nbytes, w.hash_s,
+            self.retries() if self.retries is not None else None))

@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
-from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.errors import ConfigError, CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER
 from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, StagingWaitCallback
 
 STEPS_PER_EPOCH = 3
@@ -179,8 +180,8 @@ def test_argument_validation() -> None:
         DCPCheckpointIO(mode="fast")
     io = DCPCheckpointIO()
     assert io.mode == "auto" and io.resolved_mode == "async"
-    with pytest.raises(TypeError, match="storage_options"):
-        io.save_checkpoint({}, "unused", storage_options={"x": 1})
+    with pytest.raises(ConfigError, match="storage_options: expected a mapping"):
+        io.save_checkpoint({}, "unused", storage_options=["endpoint_url"])
     with pytest.raises(TypeError, match="map_location"):
         io.load_checkpoint("unused", map_location=lambda storage, loc: storage)
 
@@ -250,3 +251,33 @@ def test_a_missing_checkpoint_is_not_found_and_its_unrelated_siblings_are_left_a
     with pytest.raises(FileNotFoundError, match="ckpt"):
         DCPCheckpointIO("sync").load_checkpoint(tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+class OptionsIO(TorchCheckpointIO):
+    """A user's CheckpointIO that takes options (a stand-in for a cloud or a custom store's IO)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.calls.append((Path(path).name, storage_options))
+        super().save_checkpoint(checkpoint, path)
+
+
+def test_a_users_checkpoint_io_gets_its_storage_options_with_recover_enabled(tmp_path: Path) -> None:
+    """RecoverCallback writes its own checkpoints through its private DCPCheckpointIO; the user's
+    ``trainer.save_checkpoint(path, storage_options=...)`` reaches the user's CheckpointIO with
+    those options, and writes the user's format (one file)."""
+    from areal_lightning import RecoverCallback
+
+    user_io = OptionsIO()
+    recover = RecoverCallback(fileroot=tmp_path / "ckpt", experiment_name="e", trial_name="t", user="u",
+                              freq_steps=2)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=4, plugins=[user_io], callbacks=[recover],
+                      default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(TinyModule())
+    trainer.save_checkpoint(tmp_path / "mine.ckpt", storage_options={"region": "here"})
+    assert user_io.calls == [("mine.ckpt", {"region": "here"})]
+    assert (tmp_path / "mine.ckpt").is_file() and torch.load(tmp_path / "mine.ckpt", weights_only=False)["global_step"] == 4
+    assert recover.store.read_info()[CHECKPOINT_INFO]["global_step"] == 4

@@ -120,6 +120,15 @@ def test_loaded_checkpoint(fitted) -> None:
     assert isinstance(loaded, dict) and loaded["global_step"] == 4 and "state_dict" in loaded
 
 
+def test_dump_checkpoint(tmp_path: Path) -> None:
+    """What trainer.save_checkpoint writes: the same keys, the callbacks' states and hooks run."""
+    t = trainer([], tmp_path)
+    t.fit(Tiny(), loader(4))
+    dumped = internals.dump_checkpoint(t)
+    assert dumped["global_step"] == t.global_step and "state_dict" in dumped and "optimizer_states" in dumped
+    assert {"loops", "callbacks", "lr_schedulers", "epoch"} <= set(dumped)
+
+
 def test_train_loaders(fitted) -> None:
     probe, _, data = fitted
     assert probe.seen["loaders"] == [data]

@@ -26,7 +26,7 @@ from conftest import s3_client, s3_objects, s3_uploads
 
 from areal_lightning import DCPCheckpointIO
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
-from areal_lightning.layout import parse_export_name
+from areal_lightning.layout import CHECKPOINT_INFO, parse_export_name
 from areal_lightning.objectstore import StorageError
 from tests.harness.losses import rank_losses, step_losses
 
@@ -524,3 +524,38 @@ def test_the_private_torch_fsspec_file_system_still_offers_what_the_object_store
     for cls in (FsspecWriter, FsspecReader):
         source = inspect.getsource(cls.__init__)
         assert "self.fs = FileSystem()" in source and "self.path = self.fs.init_path(path" in source
+
+
+def test_trainer_save_checkpoint_takes_the_users_storage_options_with_recover_enabled(flaky_s3, s3_root,
+                                                                                      tmp_path) -> None:
+    """``trainer.save_checkpoint(uri, storage_options=...)`` through the Trainer's own
+    ``DCPCheckpointIO`` while ``RecoverCallback`` saves beside it: the options of that one call
+    are what the save uses (here the endpoint of a proxy in front of the server, which answers
+    one of the save's PUTs with a throttling reply that the client retries), and the recover
+    checkpoint is unaffected. The same call without options goes to the default endpoint."""
+    import lightning.pytorch as pl
+    from conftest import LMModule, tiny_llama, token_loader
+
+    from areal_lightning import RecoverCallback
+
+    recover = RecoverCallback(fileroot=tmp_path / "ckpt", experiment_name="e", trial_name="t", user="u",
+                              freq_steps=1, io_mode="sync")
+    io = DCPCheckpointIO("sync", thread_count=1)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recover], plugins=[io],
+                         default_root_dir=str(tmp_path))
+    module = LMModule(tiny_llama())
+    trainer.fit(module, token_loader())
+    flaky_s3.when = lambda method, path: method == "PUT" and "user-saves" in path
+    flaky_s3.fail = 1
+    trainer.save_checkpoint(f"{s3_root}/user-saves/plain")
+    assert flaky_s3.failed == 0  # not through the proxy
+    uri = f"{s3_root}/user-saves/last"
+    trainer.save_checkpoint(uri, storage_options={"endpoint_url": flaky_s3.url})
+    assert flaky_s3.failed == 1  # through the proxy: the endpoint of this call's options
+    for path in (uri, f"{s3_root}/user-saves/plain"):
+        loaded = DCPCheckpointIO("sync").load_checkpoint(path)
+        assert loaded["global_step"] == 2
+        for key, value in module.state_dict().items():
+            assert torch.equal(loaded["state_dict"][key], value), key
+    assert recover.store.read_info()[CHECKPOINT_INFO]["global_step"] == 2

@@ -221,3 +221,62 @@ def test_save_flat_state_dict(tmp_path: Path) -> None:
     loaded = {"w": torch.zeros(4)}
     dcp.load(loaded, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     assert torch.equal(loaded["w"], torch.arange(4.0))
+
+
+def test_wrapper_segments(one_rank_group) -> None:
+    """FSDP1 and activation checkpointing hold the wrapped module under these names, and
+    torch's state-dict names leave them out."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    inner = torch.nn.Linear(2, 2)
+    wrapped = torch.nn.Sequential(checkpoint_wrapper(inner))
+    fsdp = FullyShardedDataParallel(wrapped, device_id=torch.device("cpu"))
+    names = dict(fsdp.named_modules())
+    assert any(ti.WRAPPER_SEGMENTS[0] in n for n in names) and any(ti.WRAPPER_SEGMENTS[1] in n for n in names)
+    assert not any(seg in key for key in fsdp.state_dict() for seg in ti.WRAPPER_SEGMENTS)
+    assert ti.WRAPPER_SEGMENTS[2] == ti.COMPILED_SEGMENT
+
+
+def test_hf_instance_state() -> None:
+    """``save_pretrained`` reads these instance attributes of the model it saves."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    source = inspect.getsource(PreTrainedModel.save_pretrained)
+    assert "_weight_conversions" in source or "weight_conversions" in inspect.getsource(
+        sys.modules[PreTrainedModel.__module__])
+    assert "hf_quantizer" in source
+    assert ti.PEFT_LOADED_FLAG in ti.HF_INSTANCE_STATE
+
+
+def test_peft_loaded_flag() -> None:
+    """transformers sets the flag when a PEFT adapter is loaded into a ``PreTrainedModel``."""
+    import inspect
+
+    from transformers.integrations import peft as hf_peft
+
+    assert f"self.{ti.PEFT_LOADED_FLAG} = True" in inspect.getsource(hf_peft)
+
+
+def test_remove_warning_filter() -> None:
+    """A removed filter no longer hides a warning from a call site that hit it before."""
+    import warnings
+
+    def emit() -> None:
+        warnings.warn("areal test warning 7f3a", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message="areal test warning 7f3a")
+        entry = warnings.filters[0]
+        with warnings.catch_warnings(record=True) as caught:
+            emit()
+        assert caught == []
+        ti.remove_warning_filter(entry)
+        assert entry not in warnings.filters
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            emit()
+        assert len(caught) == 1

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from areal_lightning.capture.compiled import COMPILED_SEGMENT
+from areal_lightning._torch_internals import HF_INSTANCE_STATE, WRAPPER_SEGMENTS
 from areal_lightning.errors import CheckpointWriteError
 
 __all__ = ["is_sharded", "export_state_dict", "gather_to_host", "fsdp1_root", "fsdp1_state", "meta_twin", "split_for_dcp"]
@@ -105,16 +105,12 @@ def fsdp1_root(module: Any) -> torch.nn.Module | None:
     return module if isinstance(module, FullyShardedDataParallel) else None
 
 
-# Module-tree segments that torch's state-dict FQNs leave out (FSDP1, activation checkpointing,
-# torch.compile's OptimizedModule).
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", COMPILED_SEGMENT)
-
 
 def _prefix_in(root: torch.nn.Module, model: torch.nn.Module) -> str:
     """The state-dict prefix of ``model`` inside ``root`` (wrapper names removed), e.g. ``"model."``."""
     for name, module in root.named_modules():
         if module is model:
-            clean = ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+            clean = ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
             return f"{clean}." if clean else ""
     raise ValueError(f"{type(model).__name__} is not a submodule of the FSDP-wrapped {type(root).__name__}")
 
@@ -185,7 +181,7 @@ def meta_twin(model: Any) -> Any:
     if getattr(model, "generation_config", None) is not None:
         twin.generation_config = copy.deepcopy(model.generation_config)
     # Instance state save_pretrained reads (weight-name conversions, quantizer, PEFT adapters).
-    for name in ("_weight_conversions", "hf_quantizer", "_hf_peft_config_loaded", "peft_config"):
+    for name in HF_INSTANCE_STATE:
         if name in model.__dict__:
             setattr(twin, name, model.__dict__[name])
     return twin

@@ -52,6 +52,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from areal_lightning._torch_internals import loader_subclass, swap_class
 from areal_lightning.capture.rng import from_saved, to_saved
 from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks
+from areal_lightning.config import FAST_FORWARD_MODES
 from areal_lightning.errors import RecoverMismatchError, start_fresh
 from areal_lightning.namespaces import fabric_classes
 
@@ -390,12 +391,6 @@ def remap_position(state: dict[str, Any], old_world: int, new_world: int) -> dic
         loaders[key] = {**entry, "batches_done": consumed // new_world}
     return {**state, "loaders": loaders}
 
-
-FAST_FORWARD_MODES = ("sampler", "replay")
-"""How a mid-epoch resume passes the batches already trained on: ``sampler`` draws and drops
-their indices without fetching a sample (map-style datasets, whose workers get their random
-streams back; an ``IterableDataset`` with ``state_dict``/``load_state_dict`` gets its state
-back instead); ``replay`` fetches them through the dataset."""
 
 
 def _has_len(loader: Any) -> bool:

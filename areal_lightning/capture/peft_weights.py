@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
+from areal_lightning._torch_internals import PEFT_LOADED_FLAG
 from areal_lightning.capture.compiled import plain_name, uncompiled
 from areal_lightning.errors import CheckpointWriteError
 
@@ -115,7 +116,7 @@ def peft_twin(model: Any) -> Any:
 
     names = list(model.peft_config)
     base = meta_twin(uncompiled(model.get_base_model()))
-    for attribute in ("peft_config", "_hf_peft_config_loaded"):  # the live model's: not the twin's yet
+    for attribute in ("peft_config", PEFT_LOADED_FLAG):  # the live model's: not the twin's yet
         base.__dict__.pop(attribute, None)
     # peft initializes adapter weights (on meta) from torch's global generator: training's RNG
     # stream must not move; its warnings are those the user saw making the live model.

@@ -28,7 +28,7 @@ from areal_lightning.commit.manifest import check_files
 from areal_lightning.commit.recover_store import RecoverCommit, RecoverStore, check_info
 from areal_lightning.errors import CheckpointCorruptError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO, INFO_FILES, TrialLayout
-from areal_lightning.objectstore import strip
+from areal_lightning.objectstore import probe, retries, strip
 from areal_lightning.write.checksum import ALGORITHM, Written
 
 __all__ = ["ObjectRecoverStore", "ObjectRecoverCommit"]
@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 
 
 class ObjectRecoverStore:
-    """Paths, commit, cleanup and validation of a trial's recover checkpoint on an object store."""
+    """Paths, commit, cleanup and validation of a trial's recover checkpoint on an object store
+    (a :class:`~areal_lightning.commit.recover_store.RecoverStorage`)."""
 
-    remote = True
+    claim_label = "object-store check"
 
     def __init__(self, layout: TrialLayout, name: str = "default",
                  storage_options: Mapping[str, Any] | None = None) -> None:
@@ -53,6 +54,26 @@ class ObjectRecoverStore:
 
     new_generation = staticmethod(RecoverStore.new_generation)
 
+    # -- the trial ----------------------------------------------------------------------
+
+    def claim(self, rank: int) -> None:
+        """Every rank can write, read and delete under the trial prefix (no lock on buckets yet)."""
+        probe(self.layout.trial_dir, self.storage_options, rank)
+
+    def check_shared(self, ranks: Any, lead: bool) -> None:
+        """A bucket is shared by construction."""
+
+    def release(self) -> None:
+        """Nothing is held."""
+
+    def retries(self) -> int | None:
+        """Requests retried so far in this process."""
+        return retries()
+
+    def record_hf_models(self, entries: list[Any]) -> dict[str, Any] | None:
+        """Not recorded on object stores (``convert --to hf`` reads a downloaded trial)."""
+        return None
+
     def tmp_ckpt_dir(self, gen: str) -> str:
         """Where the DCP files of save ``gen`` are written (its generation's prefix)."""
         return self.data.uri(gen)
@@ -62,7 +83,7 @@ class ObjectRecoverStore:
     def target(self, gen: str, info: dict[str, dict[str, Any]],
                on_committed: Callable[[Written], None] | None = None) -> "ObjectRecoverCommit":
         """The commit target of save ``gen``: DCP writes into ``recover_checkpoint/{gen}/``."""
-        return ObjectRecoverCommit(self, gen, info, on_committed)  # type: ignore[arg-type]
+        return ObjectRecoverCommit(self, gen, info, on_committed)
 
     def clean_stale(self) -> None:
         """Nothing before a save: what interrupted saves left is removed after each commit."""

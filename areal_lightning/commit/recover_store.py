@@ -27,16 +27,19 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from areal_lightning._fault import fault_point
 from areal_lightning.commit.atomic import (
     AtomicDir,
     CommitPoints,
+    CommitTarget,
     atomic_write_json,
     clean_leftovers,
     write_json,
 )
+from areal_lightning.collective import CheckpointGroup, check_shared_storage
+from areal_lightning.commit.hf_meta import HFMetaRecorder
 from areal_lightning.commit.manifest import check_files, metadata_checksum
 from areal_lightning.errors import CheckpointCorruptError, TrialLockedError, start_fresh
 from areal_lightning.layout import (
@@ -52,7 +55,7 @@ from areal_lightning.layout import (
 from areal_lightning.write.checksum import ALGORITHM, Written
 from areal_lightning.write.durable import fsync_dir
 
-__all__ = ["TrialLock", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_VERSION", "check_info"]
+__all__ = ["TrialLock", "RecoverStorage", "RecoverStore", "RecoverCommit", "INFO_FILES", "FORMAT_VERSION", "check_info"]
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +131,115 @@ class TrialLock:
             self._fd = None
 
 
-class RecoverStore:
-    """Paths, commit protocol, repair and validation of one trial's recover checkpoint."""
+class RecoverStorage(Protocol):
+    """What a recover session needs of a trial's recover store: :class:`RecoverStore` (a file
+    system, committed by renames) and
+    :class:`~areal_lightning.commit.object_recover_store.ObjectRecoverStore` (an object store,
+    committed by a marker) implement it alike."""
 
-    remote = False
+    layout: TrialLayout
+    ckpt_dir: Any
+    info_dir: Any
+    storage_options: dict[str, Any]
+    claim_label: str  # what claim() checks, in messages
+
+    def claim(self, rank: int) -> None:
+        """At setup, on every rank: take the trial for this run, or raise why it cannot be used."""
+        ...
+
+    def check_shared(self, ranks: CheckpointGroup, lead: bool) -> None:
+        """At setup, collective: raise on every rank unless every rank sees the same storage."""
+        ...
+
+    def release(self) -> None:
+        """Give the trial back (idempotent)."""
+        ...
+
+    def retries(self) -> int | None:
+        """Requests retried so far (transient object-store errors), ``None`` where none can be."""
+        ...
+
+    def clean_stale(self) -> None:
+        """Remove what interrupted saves left (rank 0, no save in flight)."""
+        ...
+
+    def new_generation(self, global_step: int) -> str:
+        """A unique name for one save."""
+        ...
+
+    def record_hf_models(self, entries: list[Any]) -> dict[str, Any] | None:
+        """``checkpoint_info.json``'s ``hf_models`` for a save now (rank 0); ``None``: not recorded."""
+        ...
+
+    def target(self, gen: str, info: dict[str, dict[str, Any]],
+               on_committed: Callable[[Written], None] | None = None) -> CommitTarget:
+        """The commit target of save ``gen``."""
+        ...
+
+    def exists(self) -> bool:
+        """Whether a committed recover checkpoint exists."""
+        ...
+
+    def read_info(self) -> dict[str, dict[str, Any]]:
+        """The committed ``recover_info`` files."""
+        ...
+
+    def verify(self, checkpoint_info: dict[str, Any], data: bool | None = True) -> int:
+        """Check the committed checkpoint against its manifest."""
+        ...
+
+    def checkpoint_path(self) -> Any:
+        """The committed checkpoint's folder (a URI on an object store)."""
+        ...
+
+    def repair(self) -> str | None:
+        """Finish or undo an interrupted commit."""
+        ...
+
+
+class RecoverStore:
+    """Paths, commit protocol, repair and validation of one trial's recover checkpoint on a
+    file system (a :class:`RecoverStorage`)."""
+
+    claim_label = "trial lock"
 
     def __init__(self, layout: TrialLayout, name: str = "default") -> None:
         self.layout = layout
         self.ckpt_dir = layout.recover_checkpoint_dir(name)
         self.info_dir = layout.recover_info_dir
+        self.storage_options: dict[str, Any] = {}
+        self._lock: TrialLock | None = None
+        self._hf_meta: HFMetaRecorder | None = None
+
+    # -- the trial ----------------------------------------------------------------------
+
+    def claim(self, rank: int) -> None:
+        """Rank 0 takes the trial lock (:class:`TrialLock`)."""
+        if rank == 0:
+            self._lock = TrialLock(self.layout.trial_dir)
+            self._lock.acquire()
+
+    def check_shared(self, ranks: CheckpointGroup, lead: bool) -> None:
+        """Every rank sees the file rank 0 writes into the trial folder (a node-local fileroot
+        would split each checkpoint across nodes)."""
+        check_shared_storage(ranks, self.layout.trial_dir, lead)
+
+    def release(self) -> None:
+        """Release the trial lock (idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def retries(self) -> int | None:
+        """A file system retries nothing."""
+        return None
+
+    def record_hf_models(self, entries: list[Any]) -> dict[str, Any] | None:
+        """Write the ``recover_hf/{digest}/`` folders ``convert --to hf`` needs (once per trial)
+        and describe them (:class:`~areal_lightning.commit.hf_meta.HFMetaRecorder`)."""
+        if self._hf_meta is None:
+            self._hf_meta = HFMetaRecorder(self.layout.trial_dir)
+        return self._hf_meta.record(entries)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -340,14 +443,12 @@ class RecoverCommit:
     files are written to :attr:`tmp`; :meth:`finalize` writes ``recover_info`` and swaps
     the pair in (:meth:`RecoverStore.commit`) with the manifest of what the save wrote."""
 
-    def __init__(self, store: RecoverStore, gen: str, info: dict[str, dict[str, Any]],
+    def __init__(self, store: Any, gen: str, info: dict[str, dict[str, Any]],
                  on_committed: Callable[[Written], None] | None = None) -> None:
         self.store, self.gen, self.info = store, gen, info
         self.on_committed = on_committed
         self.final = store.ckpt_dir
         self.tmp = store.tmp_ckpt_dir(gen)
-        self.check: Callable[[dict[str, Any]], None] | None = None
-        """Called with the checkpoint dict before anything is written (rank 0); raises to refuse it."""
 
     def create(self) -> Path:
         """Create the temporary DCP folder of this save."""

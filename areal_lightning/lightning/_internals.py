@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 __all__ = [
     "Patch",
+    "dump_checkpoint",
     "wrap_resume_start",
     "wrap_train_dataloader",
     "loaded_checkpoint",
@@ -132,6 +133,13 @@ def wrap_train_dataloader(trainer: Any, patch: Patch, make: Callable[[Callable[[
 def loaded_checkpoint(trainer: Any) -> dict[str, Any]:
     """The checkpoint dict Lightning is restoring (``_checkpoint_connector._loaded_checkpoint``)."""
     return trainer._checkpoint_connector._loaded_checkpoint
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The full checkpoint dict of the run now, as ``trainer.save_checkpoint`` collects it before
+    handing it to the strategy (``_checkpoint_connector.dump_checkpoint(weights_only=False)``):
+    model, optimizers, schedulers, loops, callback states, the hooks' additions."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
 def train_loaders(trainer: Any) -> list[Any]:

@@ -190,11 +190,13 @@ def _bridge(strategy: Strategy, io: Any) -> None:
         return str(io.engine.ranks.agree(error, what, str(path))[0])
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
-        if storage_options is None and strategy.world_size > 1:
-            # One atomic directory for all ranks: rank 0's path and commit token.
-            path, token = io.engine.ranks.agree(None, "checkpoint path", (str(filepath), new_token()))[0]
-            storage_options = io.target(path, token)
-        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if strategy.world_size == 1:
+            io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # One atomic directory for all ranks: rank 0's path and commit token.
+        path, token = io.engine.ranks.agree(None, "checkpoint path", (str(filepath), new_token()))[0]
+        options = io.options(storage_options)
+        io.write(checkpoint, io.target(path, token, options), storage_options=options)
 
     def load_checkpoint(checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Every rank first waits for its own save in flight: rank 0 alone renames a finished

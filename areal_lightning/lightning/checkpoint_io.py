@@ -3,7 +3,8 @@
 Public API::
 
     DCPCheckpointIO(mode="auto", *, thread_count=2)   # Trainer(plugins=[...])
-        .save_checkpoint(checkpoint, path, storage_options=None)
+        .save_checkpoint(checkpoint, path, storage_options=None)   # options: object-store options
+        .write(checkpoint, target)  # into a commit target (RecoverCallback's pair commit)
         .load_checkpoint(path, map_location=None, weights_only=None) -> dict
         .remove_checkpoint(path)
         .wait_for_staging()      # before the next optimizer step (see below)
@@ -43,7 +44,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -159,37 +160,53 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         The directory is written aside and renamed into place once DCP's save returned (an
         :class:`~areal_lightning.commit.atomic.AtomicDir`; in the background for async
         saves), so ``path`` always holds a complete checkpoint, the old one until the new
-        one replaces it. ``storage_options`` may be a commit target
-        (:class:`~areal_lightning.commit.atomic.CommitTarget`: what ``RecoverCallback``
-        passes through ``trainer.save_checkpoint``) to write and commit instead."""
+        one replaces it. ``storage_options``: options of the object-store file system for
+        this save (``trainer.save_checkpoint(path, storage_options={...})``), over the IO's own;
+        ``None`` for the IO's own."""
         check_path(os.fspath(path), "path")
-        target = self._target(path, storage_options)
+        options = self.options(storage_options)
+        self.write(checkpoint, self.target(path, storage_options=options), storage_options=options)
+
+    def write(self, checkpoint: dict[str, Any], target: CommitTarget, *, storage_options: Optional[dict[str, Any]] = None,
+              check: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
+        """Write ``checkpoint`` into ``target.tmp`` and commit it (``target.finalize``, on rank 0
+        of a collective save) once DCP's save returned: in this call for a sync save, in the
+        background for an async one. ``check(checkpoint)``: run first on rank 0 (a refusal is
+        raised on every rank, and nothing is written). ``storage_options``: the object-store
+        options of this save (``None``: the IO's own)."""
         asynchronous = self.resolved_mode == "async"
         start = time.perf_counter()
         lead = not self._engine.is_collective() or dist.get_rank() == 0
-        check = getattr(target, "check", None)
 
         def prepare() -> None:
-            if callable(check) and lead:
-                check(checkpoint)  # e.g. refuse what the resume could not load (raised on every rank)
+            if check is not None and lead:
+                check(checkpoint)
             target.create()
 
         try:
             self._engine.save(checkpoint, target.tmp, asynchronous=asynchronous, label=target.final,
-                              prepare=prepare, then=_publisher(target) if lead else None)
+                              prepare=prepare, then=target.finalize if lead else None,
+                              storage_options=storage_options)
         except BaseException:
             if lead:
                 target.discard()  # a failed sync save (or one that failed to start) leaves nothing behind
             raise
         if asynchronous and self._staging_waiters == 0:
             self._engine.wait_for_staging()
-        log.debug("save_checkpoint(%s, %s) held the caller %.3f s", path, self.resolved_mode, time.perf_counter() - start)
+        log.debug("save of %s (%s) held the caller %.3f s", target.final, self.resolved_mode, time.perf_counter() - start)
 
-    def target(self, path: PathLike, token: str | None = None) -> CommitTarget:
+    def options(self, storage_options: Optional[Any]) -> dict[str, Any]:
+        """The object-store options of one save: the IO's own, updated with ``storage_options``
+        (a dict of file-system options, validated; ``None``: none)."""
+        return {**self._engine.storage_options, **validate_options(storage_options)}
+
+    def target(self, path: PathLike, token: str | None = None,
+               storage_options: Optional[dict[str, Any]] = None) -> CommitTarget:
         """The commit of a plain save to ``path`` (every rank of a collective save passes
         rank 0's ``token``): an atomic folder, or a new generation on an object store."""
         if is_remote(path):
-            return GenerationCommit(str(path), token or new_token(), self._engine.storage_options)
+            options = self._engine.storage_options if storage_options is None else storage_options
+            return GenerationCommit(str(path), token or new_token(), options)
         return CheckpointDir(Path(path), token)
 
     def repair(self, path: PathLike) -> bool:
@@ -197,14 +214,6 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         (:meth:`AtomicDir.roll_forward`); returns whether anything was done (never anything
         on an object store: a generation without its marker does not exist)."""
         return False if is_remote(path) else AtomicDir.roll_forward(Path(path))
-
-    def _target(self, path: PathLike, storage_options: Any) -> CommitTarget:
-        if storage_options is None:
-            return self.target(path)
-        if isinstance(storage_options, CommitTarget) and isinstance(storage_options.tmp, (Path, str)):
-            return storage_options
-        raise TypeError("DCPCheckpointIO.save_checkpoint: storage_options must be None or a commit target "
-                        f"(areal_lightning.commit.atomic.AtomicDir, RecoverStore.target), got {storage_options!r}")
 
     def load_checkpoint(
         self,
@@ -258,16 +267,6 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         self._engine.close()
 
 
-def _publisher(target: CommitTarget) -> Any:
-    """The engine's ``then`` for ``target``: its ``finalize`` with what the save wrote (its
-    manifest included)."""
-
-    def publish(written: Written) -> None:
-        target.finalize(written)
-
-    return publish
-
-
 class CheckpointDir(AtomicDir):
     """The :class:`~areal_lightning.commit.atomic.AtomicDir` of a ``DCPCheckpointIO`` save:
     DCP makes the files durable itself (no extra fsync pass); a folder at the path that is
@@ -302,6 +301,24 @@ def find_io(trainer: Trainer) -> DCPCheckpointIO | None:
     """The trainer's :class:`DCPCheckpointIO` (also inside Lightning's IO wrappers), else ``None``."""
     io = unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
     return io if isinstance(io, DCPCheckpointIO) else None
+
+
+_RECOVER_IO = "_areal_recover_io"
+
+
+def attach_recover_io(trainer: Trainer, io: DCPCheckpointIO | None) -> None:
+    """Note (``None``: forget) the private ``DCPCheckpointIO`` a ``RecoverCallback`` writes its
+    checkpoints through during this fit (see :func:`checkpoints_through_dcp`)."""
+    if io is None:
+        trainer.strategy.__dict__.pop(_RECOVER_IO, None)
+    else:
+        trainer.strategy.__dict__[_RECOVER_IO] = io
+
+
+def checkpoints_through_dcp(trainer: Trainer) -> bool:
+    """Whether this fit checkpoints through a :class:`DCPCheckpointIO`: the Trainer's, or the one
+    of an enabled ``RecoverCallback`` (set up already): the run opted into async checkpointing."""
+    return find_io(trainer) is not None or trainer.strategy.__dict__.get(_RECOVER_IO) is not None
 
 
 class StagingWaitCallback(*bases("callbacks.Callback")):  # type: ignore[misc]

@@ -34,6 +34,7 @@ from areal_lightning.hf_export import HFExporter, validate_method, validate_peft
 from areal_lightning.layout import TrialLayout
 from areal_lightning.objectstore import is_remote, is_uri, probe, retries
 from areal_lightning.lightning._internals import callback_state_key
+from areal_lightning.lightning.checkpoint_io import checkpoints_through_dcp
 from areal_lightning.namespaces import bases
 from areal_lightning.telemetry import SaveReport, Telemetry, folder_bytes
 from areal_lightning.trigger import EpochPosition, FreqController, StepGate
@@ -289,11 +290,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         or an enabled ``RecoverCallback``'s), else sync."""
         mode = self.config.mode
         if mode == "auto":
-            from areal_lightning.lightning.checkpoint_io import find_io
-            from areal_lightning.lightning.recover import RecoverCallback
-
-            recovers = any(isinstance(cb, RecoverCallback) and cb.enabled for cb in trainer.callbacks)
-            return "async" if recovers or find_io(trainer) is not None else "sync"
+            return "async" if checkpoints_through_dcp(trainer) else "sync"
         return mode
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

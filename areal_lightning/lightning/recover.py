@@ -27,24 +27,19 @@ from areal_lightning.config import (
     check_async_executor,
     validate_model_name,
 )
-from areal_lightning.errors import ConfigError
+from areal_lightning.errors import ConfigError, UsageError
 from areal_lightning.layout import CHECKPOINT_INFO, TrialLayout
-from areal_lightning.lightning._internals import callback_state_key, cluster_environment
+from areal_lightning.lightning._internals import callback_state_key
 from areal_lightning.lightning.bridge import warn_if_single_fsdp_unit
+from areal_lightning.lightning.preemption import Preemption
 from areal_lightning.lightning.recover_session import RecoverSession
 from areal_lightning.lightning.recover_state import RecoverState
-from areal_lightning.namespaces import bases, classes
+from areal_lightning.namespaces import bases
 from areal_lightning.objectstore import is_remote
 from areal_lightning.telemetry import Telemetry
 from areal_lightning.trigger import FreqController, SaveSchedule, StepInfo
-from areal_lightning.trigger.preempt import (
-    DEFAULT_PREEMPT_SIGNALS,
-    PREEMPTED_EXIT_CODE,
-    Preempted,
-    PreemptionWatch,
-    parse_signals,
-    slurm_requeue,
-)
+from areal_lightning.config import DEFAULT_PREEMPT_SIGNALS, parse_signals
+from areal_lightning.trigger.preempt import PREEMPTED_EXIT_CODE, PreemptionWatch
 
 __all__ = ["RecoverCallback", "StepInfo"]
 
@@ -194,7 +189,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self.preempt = PreemptionWatch(signals)
         self.schedule = SaveSchedule(self.freq, self.preempt)
         self.preempt_exit_code = preempt_exit_code
-        self._requeue_signal: Any = None
+        self.preemption = Preemption(self.preempt, preempt_exit_code)
         self.state = RecoverState(self.freq, self.fast_forward)
         self.telemetry = Telemetry()
         self.resumed_from: StepInfo | None = None
@@ -238,9 +233,9 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self._trainer = trainer
         self._session = RecoverSession(
             trainer, store=self.store, state=self.state, telemetry=self.telemetry, experiment=self.experiment,
-            schedule=self.schedule, io_mode=self.io_mode, async_executor=self.async_executor, weights_only=self.weights_only,
-            collective_timeout=self.collective_timeout, save=lambda: self.save(trainer),
-            stop=lambda: self._stop_preempted(trainer))
+            schedule=self.schedule, preemption=self.preemption, io_mode=self.io_mode,
+            async_executor=self.async_executor, weights_only=self.weights_only,
+            collective_timeout=self.collective_timeout, state_key=self.state_key)
         self._session.setup()
         self.freq.start()
 
@@ -253,7 +248,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.state.position.train_started(trainer)
         if self.enabled:
-            self._watch_signals(trainer)
+            self.preemption.install(trainer)
         step = self._session.train_started(pl_module) if self._session is not None else None
         if step is None:
             return
@@ -285,34 +280,6 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         if self._session is not None:
             self._session.log_age(pl_module)
 
-    def _watch_signals(self, trainer: "pl.Trainer") -> None:
-        """Take over the preemption signals (now: Lightning registered its handlers just before)."""
-        env = cluster_environment(trainer)
-        slurm = isinstance(env, classes("plugins.environments.SLURMEnvironment"))
-        if slurm and env.auto_requeue and env.requeue_signal is not None:
-            self._requeue_signal = env.requeue_signal
-            if self.preempt.signals and env.requeue_signal not in self.preempt.signals:
-                self.preempt.signals = (*self.preempt.signals, env.requeue_signal)
-        self.preempt.install()
-
-    def _stop_preempted(self, trainer: "pl.Trainer") -> None:
-        """After the preemption checkpoint: wait until it is durable on every rank, stop."""
-        if self._session is not None:
-            self._session.settle()
-        requeued = False
-        if (self._requeue_signal is not None and int(self._requeue_signal) in self.preempt.received
-                and trainer.is_global_zero):
-            requeued = slurm_requeue()
-        for lg in trainer.loggers:
-            lg.save()
-        got = self.preempt.signal_name or "a preemption signal on another rank"
-        log.warning(
-            "RecoverCallback: %s: the recover checkpoint of global step %d is durable in %s; stopping with exit "
-            "code %d%s. Run the same command again to continue from there.", got, trainer.global_step,
-            self.store.ckpt_dir, self.preempt_exit_code, " (SLURM job requeued)" if requeued else "")
-        self.preempt.uninstall()
-        raise Preempted(self.preempt_exit_code)
-
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.enabled and not trainer.sanity_checking:
             self.state.evaluator.validated(trainer)
@@ -322,7 +289,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """A run that finished keeps a checkpoint of its end, so re-running it does nothing."""
-        self.preempt.uninstall()
+        self.preemption.uninstall()
         if self.enabled and trainer.global_step > 0 and self.freq.last_fired_step != trainer.global_step \
                 and self._session is not None:
             self._session.save_at_train_end()
@@ -332,7 +299,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """Let the save in flight finish (its failure is logged, not raised over the original error)."""
-        self.preempt.uninstall()
+        self.preemption.uninstall()
         if self._session is not None:
             try:
                 self._session.wait()
@@ -341,7 +308,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             self._session.close()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self.preempt.uninstall()
+        self.preemption.uninstall()
         if self._session is not None:
             self._session.close()
 
@@ -356,10 +323,6 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         if self._session is not None:
             self._session.state_loaded()
 
-    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
-        self.state.strip_loader_states(checkpoint)
-        self.state.plain_names(checkpoint)
-
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
         """On a different world size, map the dataloader position (runs before ``load_state_dict``)."""
         state = checkpoint.get("callbacks", {}).get(self.state_key)
@@ -372,7 +335,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         """Write a recover checkpoint of the current state now (also used by the triggers);
         collective: every rank calls it."""
         if self._session is None:
-            raise RuntimeError("RecoverCallback.save called outside trainer.fit")
+            raise UsageError("RecoverCallback.save is for use during trainer.fit (from a hook or a callback), "
+                             "where every rank calls it; it was called outside fit")
         self._session.save()
 
     def wait(self) -> None:

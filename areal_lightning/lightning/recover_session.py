@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -33,18 +32,18 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
+from areal_lightning._torch_internals import remove_warning_filter
 from areal_lightning.capture.compiled import live_names
-from areal_lightning.capture.hf_meta import HFMetaRecorder
 from areal_lightning.capture.optimizer_names import by_index, parameter_names
-from areal_lightning.collective import check_shared_storage
 from areal_lightning.commit.generations import resolve
-from areal_lightning.commit.recover_store import RecoverStore, TrialLock
+from areal_lightning.commit.recover_store import RecoverStorage
 from areal_lightning.errors import CheckpointCorruptError, ConfigError, RecoverMismatchError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, DATALOADER_INFO, STATS_LOGGER_INFO, STEP_INFO
 from areal_lightning.lightning._internals import (
     Patch,
     continue_after_save_point,
     continue_train_epoch_metrics,
+    dump_checkpoint,
     epoch_loop_ends,
     loaded_checkpoint,
     set_ddp_forward_sync,
@@ -57,7 +56,7 @@ from areal_lightning.lightning._internals import (
 )
 from areal_lightning.lightning.bridge import bridged, install_bridge, is_sharded
 from areal_lightning.lightning.builtin_resume import resume_swa, started_swa
-from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, find_io
+from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, attach_recover_io, find_io
 from areal_lightning.lightning.recover_state import (
     RecoverState,
     at_epoch_boundary,
@@ -65,16 +64,17 @@ from areal_lightning.lightning.recover_state import (
     hf_models_of,
     step_info,
 )
-from areal_lightning.objectstore import is_remote, probe, retries
+from areal_lightning.objectstore import is_remote
 from areal_lightning.lightning.resume import (
     ResumePlan,
     agreed_plan,
     continue_user_files,
     restore_csv_logs,
 )
-from areal_lightning.telemetry import SaveReport, Telemetry
+from areal_lightning.telemetry import SaveTimer, Telemetry
 from areal_lightning.trigger import StepInfo
-from areal_lightning.trigger.schedule import Save, SaveSchedule
+from areal_lightning.lightning.preemption import Preemption
+from areal_lightning.trigger.schedule import Save, SavePoint, SaveSchedule
 from areal_lightning.write.dcp_format import weights_only_refusal
 
 __all__ = ["RecoverSession"]
@@ -126,13 +126,13 @@ class RecoverSession:
 
     The session owns when to save: at the save point after each optimizer step (after every
     hook of the step, and at an epoch's last step after the epoch's end too) it asks
-    ``schedule``, then calls ``save()`` (the callback's public ``save``) and, for a
-    preemption, ``stop()`` (which raises).
+    ``schedule``, then calls :meth:`save` and, for a preemption, once the save is durable on
+    every rank, ``preemption.stop`` (which raises).
     """
 
-    def __init__(self, trainer: Any, *, store: RecoverStore, state: RecoverState, telemetry: Telemetry,
-                 experiment: Any, schedule: SaveSchedule, io_mode: str, async_executor: str, weights_only: bool,
-                 collective_timeout: float, save: Callable[[], None], stop: Callable[[], None]) -> None:
+    def __init__(self, trainer: Any, *, store: RecoverStorage, state: RecoverState, telemetry: Telemetry,
+                 experiment: Any, schedule: SaveSchedule, preemption: Preemption, io_mode: str, async_executor: str,
+                 weights_only: bool, collective_timeout: float, state_key: str) -> None:
         self.trainer = trainer
         self.store = store
         self.state = state
@@ -141,18 +141,15 @@ class RecoverSession:
         self.schedule = schedule
         self.weights_only = weights_only
         self.collective_timeout = collective_timeout
-        self._save_requested = save
-        self._stop = stop
+        self.preemption = preemption
+        self.state_key = state_key  # the callback's key in the checkpoint's "callbacks"
         self.io, self._trainer_io = recover_io(trainer, io_mode, getattr(store, "storage_options", None),
                                                async_executor)
         self.plan: ResumePlan | None = None
-        self.hf_meta = None if store.remote else HFMetaRecorder(store.layout.trial_dir)
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
         self._resuming = False
-        self._held: dict[str, float] = {}
-        self._lock: TrialLock | None = None
+        self._timer: SaveTimer | None = None  # the timing of the last save
         self._patch = Patch()
-        self._point: str | None = None  # the save point of the save in progress
         self._checked_loadable = False
         self._waiter = False
         self._warning_filter: tuple | None = None
@@ -173,22 +170,17 @@ class RecoverSession:
             install_bridge(trainer.strategy, self.io)
         else:
             self.io.enable_collective()  # every rank writes its shard (bridged for our saves and loads)
+            attach_recover_io(trainer, self.io)  # HFSaverCallback's io_mode "auto" is async with it
         self.io.add_staging_waiter()  # on_before_optimizer_step waits for the host copy (wait_for_staging)
         self._waiter = True
         self.ranks.configure(self.collective_timeout)
         error: BaseException | None = None
         try:
-            if self.store.remote:  # every rank can write, read and delete under the trial prefix
-                probe(self.store.layout.trial_dir, self.store.storage_options, trainer.global_rank)
-            elif trainer.is_global_zero:
-                self._lock = TrialLock(self.store.layout.trial_dir)
-                self._lock.acquire()
+            self.store.claim(trainer.global_rank)  # the trial lock; on an object store: every rank's access
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
-        self.ranks.agree(error, "RecoverCallback setup (object-store check)" if self.store.remote
-                         else "RecoverCallback setup (trial lock)")
-        if not self.store.remote:
-            check_shared_storage(self.ranks, self.store.layout.trial_dir, trainer.is_global_zero)
+        self.ranks.agree(error, f"RecoverCallback setup ({self.store.claim_label})")
+        self.store.check_shared(self.ranks, trainer.is_global_zero)
         wrap_resume_start(trainer, self._patch, self._resume_start)
         wrap_train_dataloader(trainer, self._patch, self._train_dataloader)
         wrap_step_end(trainer, self._patch, self._step_end)
@@ -220,12 +212,12 @@ class RecoverSession:
     def close(self) -> None:
         """Undo the wiring, release the lock (idempotent)."""
         self._patch.undo()
+        attach_recover_io(self.trainer, None)
         if self._waiter:
             self.io.remove_staging_waiter()
             self._waiter = False
-        if self._warning_filter is not None and self._warning_filter in warnings.filters:
-            warnings.filters.remove(self._warning_filter)
-            getattr(warnings, "_filters_mutated", lambda: None)()  # invalidate CPython's warning caches
+        if self._warning_filter is not None:
+            remove_warning_filter(self._warning_filter)
         self._warning_filter = None
         self.state.tracker.untrack()
         if not self._trainer_io and not self._io_closed:
@@ -234,9 +226,7 @@ class RecoverSession:
                 self.io.teardown()
             except BaseException as exc:  # noqa: BLE001 - close runs in teardown and after an error
                 log.error("RecoverCallback: closing the recover checkpoint IO: %s", exc)
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        self.store.release()
 
     # -- resume --------------------------------------------------------------------------
 
@@ -327,7 +317,7 @@ class RecoverSession:
                 continue_train_epoch_metrics(trainer, self.state.pending_epoch_metrics)
             original(data_fetcher)
             if not epoch_loop_ends(trainer):  # else the epoch's end belongs to this step
-                self._act(self.schedule.after_step(trainer.global_step, self.ranks), "step_end")
+                self._act(self.schedule.after_step(trainer.global_step, self.ranks), SavePoint.STEP_END)
 
         return on_advance_end
 
@@ -338,31 +328,28 @@ class RecoverSession:
             original()
             self.state.pending_epoch_metrics = {}
             epochs_done = self.state.position.epoch + 1
-            self._act(self.schedule.after_epoch(trainer.global_step, epochs_done, self.ranks), "epoch_end")
+            self._act(self.schedule.after_epoch(trainer.global_step, epochs_done, self.ranks), SavePoint.EPOCH_END)
 
         return on_advance_end
 
-    def _act(self, decision: Save, point: str) -> None:
+    def _act(self, decision: Save, point: SavePoint) -> None:
         if decision is Save.NONE:
             return
-        self._point = point
-        try:
-            self._save_requested()
-        finally:
-            self._point = None
+        self.save(point)
         if decision is Save.PREEMPT:
-            self._stop()
+            self.settle()  # durable on every rank
+            self.preemption.stop(self.trainer, self.store.ckpt_dir)
 
     def save_at_train_end(self) -> None:
         """At ``on_train_end``: the fit loop has finished after its last epoch's end (the
         checkpoint is one of the epoch-end save point; a rerun continues with the next epoch
         if ``max_epochs`` grew)."""
-        self._act(Save.TRIGGER, "epoch_end")
+        self._act(Save.TRIGGER, SavePoint.EPOCH_END)
 
     def _resumed_at_epoch_end(self) -> bool | None:
         """Where the checkpoint this fit resumed from was taken (``None``: not at a save point)."""
         point, self.state.resume_point = self.state.resume_point, None
-        return None if point is None else point == "epoch_end"
+        return None if point is None else point == SavePoint.EPOCH_END.value
 
     def _train_dataloader(self, original: Callable[[], Any]) -> Callable[[], Any]:
         def dataloader() -> Any:
@@ -401,69 +388,61 @@ class RecoverSession:
 
     # -- save ----------------------------------------------------------------------------
 
-    def save(self) -> None:
+    def save(self, point: SavePoint | None = None) -> None:
         """Write a recover checkpoint of the current state (collective: every rank calls it).
+        ``point``: where in the loop (``None``: from inside a hook, ``RecoverCallback.save``).
         At the save point an async save's host copy is finished before training goes on (the
         next step's hooks and forward, e.g. BatchNorm statistics, change the live tensors)."""
-        trainer = self.trainer
-        steps = trainer.global_step
+        trainer, engine, steps = self.trainer, self.io.engine, self.trainer.global_step
         self.state.freq.mark_fired(steps)
-        start = time.perf_counter()
+        timer = self._timer = SaveTimer(self.telemetry, steps, str(self.store.ckpt_dir), self.store.retries)
         boundary = at_epoch_boundary(trainer)
         info = describe(trainer, self.state, boundary=boundary, io_mode=self.io.resolved_mode,
                         experiment=self.experiment, user=self.store.layout.user)
-        engine = self.io.engine
-        gen: str | None = None
+        # 1. The previous save is durable and committed (or its failure raised here); rank 0 cleans
+        #    what interrupted saves left, names this save's generation; every rank agrees on it.
         error: BaseException | None = None
+        gen: str | None = None
         try:
-            engine.wait()  # the previous save is durable and swapped in (or its failure raised here)
+            engine.wait()
             if trainer.is_global_zero:
                 self.store.clean_stale()
                 gen = self.store.new_generation(steps)
-                if self.hf_meta is not None:  # what `convert --to hf` needs (written once per trial)
-                    info[CHECKPOINT_INFO]["hf_models"] = self.hf_meta.record(hf_models_of(trainer, trainer.lightning_module))
+                models = self.store.record_hf_models(hf_models_of(trainer, trainer.lightning_module))
+                if models is not None:  # what `convert --to hf` needs
+                    info[CHECKPOINT_INFO]["hf_models"] = models
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
-        # Every rank writes its shard into the same directory (one collective DCP save); rank
-        # 0 alone publishes it with recover_info once DCP returned. A failure on any rank so
-        # far stops every rank here.
         gen = self.ranks.agree(error, f"recover checkpoint of global step {steps}", gen)[0]
-        held = self._held = {}
-        done: dict[str, Any] = {}
-        lock = threading.Lock()
-
-        def report() -> None:
-            """Once the save is durable (rank 0's publish ran) and the call returned."""
-            if "call" not in held or "written" not in done or done.get("reported"):
-                return
-            done["reported"] = True
-            written = done["written"]
-            self.telemetry.record(SaveReport(
-                "recover", steps, str(self.store.ckpt_dir), held["call"] + held.get("staging_wait", 0.0),
-                done["durable_s"], sum(f["size"] for f in written.files.values()), written.nbytes, written.hash_s,
-                retries() if self.store.remote else None))
-
-        def committed(written: Any) -> None:  # rank 0, after the publish (in the background when async)
-            self.last_durable = time.time()
-            with lock:
-                done.update(written=written, durable_s=time.perf_counter() - start)
-                report()
-
-        target = self.store.target(gen, info, on_committed=committed)
-        if self.weights_only and not self._checked_loadable:
-            target.check = self._check_loadable
-        point = self._point
-        with self.state.saving(trainer, boundary, self.ranks, point), bridged(trainer.strategy, self.io):
-            trainer.save_checkpoint(self.store.ckpt_dir, weights_only=False, storage_options=target)
+        # 2. Collect the checkpoint: the recover state (RNG, loader positions: every rank's,
+        #    gathered), then Lightning's (model, optimizers, loops, callback states), each rank its
+        #    own shard's view (FSDP's sharded state dicts), in the canonical form.
+        extra = self.state.capture(trainer, boundary, self.ranks, point)
+        with bridged(trainer.strategy, self.io):
+            checkpoint = dump_checkpoint(trainer)
+        checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {}).update(extra)
+        self.state.canonical(checkpoint, trainer)
+        # 3. Write every rank's shard into the generation's folder; rank 0 commits it with its
+        #    recover_info once DCP returned (in the background for an async save).
+        target = self.store.target(gen, info, on_committed=self._committed(timer))
+        check = None if not self.weights_only or self._checked_loadable else self._check_loadable
+        self.io.write(checkpoint, target, check=check)
+        trainer.strategy.barrier("RecoverCallback.save")
+        # 4. At the save point the next step must not change what an async save still copies.
         if point is not None and engine.in_flight is not None:
-            self.wait_for_staging()
-        with lock:
-            held["call"] = time.perf_counter() - start  # a sync save: its whole duration
-            report()
-        written = self.io.engine.last_written
+            engine.wait_for_staging()
+        timer.returned()
+        written = engine.last_written
         if written is not None and not trainer.is_global_zero and self.io.resolved_mode == "sync":
             log.debug("recover checkpoint of global step %d: rank %d wrote %.1f MB, %.3fs of it hashing",
                       steps, trainer.global_rank, written.nbytes / 1e6, written.hash_s)
+
+    def _committed(self, timer: SaveTimer) -> Callable[[Any], None]:
+        def committed(written: Any) -> None:  # rank 0, after the commit (in the background when async)
+            self.last_durable = time.time()
+            timer.committed(written)
+
+        return committed
 
     def _check_loadable(self, checkpoint: dict[str, Any]) -> None:
         """At the first save: the resume will unpickle the non-tensor state with
@@ -484,7 +463,8 @@ class RecoverSession:
         if self.io.engine.in_flight is not None:
             start = time.perf_counter()
             self.io.engine.wait_for_staging()
-            self._held["staging_wait"] = self._held.get("staging_wait", 0.0) + time.perf_counter() - start
+            if self._timer is not None:
+                self._timer.waited(time.perf_counter() - start)
 
     def wait(self) -> None:
         """Until the last save is durable and published; raises its failure (rank-local)."""

@@ -2,18 +2,17 @@
 
 :class:`RecoverState` is ``RecoverCallback``'s callback state (``state_dict`` /
 ``load_state_dict``, stored by Lightning under the callback's key): trigger progress, the
-epoch position and, for the callback's own saves only, every rank's RNG states and train
-loader position (gathered into rank 0's state: Lightning saves rank 0's callback states
-only). On load it maps the loader position to another world size and restores the RNG at
+epoch position and, added by the callback's own saves (:meth:`RecoverState.capture`), every
+rank's RNG states and train loader position (gathered into rank 0's state: Lightning saves
+rank 0's callback states only). On load it maps the loader position to another world size and restores the RNG at
 ``on_train_start``. :func:`describe` builds the ``recover_info/`` files of one save.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -47,13 +46,9 @@ from areal_lightning.lightning._internals import (
 )
 from areal_lightning.lightning.bridge import is_sharded
 from areal_lightning.lightning.resume import checkpoint_files, csv_snapshots, strategy_family
-from areal_lightning.trigger import EpochPosition, FreqController, StepInfo
+from areal_lightning.trigger import EpochPosition, FreqController, SavePoint, StepInfo
 
-SAVE_POINTS = ("step_end", "epoch_end")
-"""Where the callback's saves are taken: after everything Lightning runs for a step that is not
-its epoch's last (``step_end``), or after the epoch's end as well (``epoch_end``)."""
-
-__all__ = ["SAVE_POINTS", "RecoverState", "optimizer_keys", "hf_models_of", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
+__all__ = ["RecoverState", "optimizer_keys", "hf_models_of", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
            "at_epoch_boundary", "step_info"]
 
 
@@ -85,8 +80,7 @@ class RecoverState:
         self.position = EpochPosition()
         self.tracker = LoaderTracker(unwrap_sampler=wrapped_sampler, fast_forward=fast_forward)
         self.evaluator = EvaluatorPosition()
-        self._saving: tuple[Any, bool, CheckpointGroup, str | None] | None = None  # trainer, at boundary, ranks, point
-        self.resume_point: str | None = None  # the save point of the checkpoint loaded (SAVE_POINTS)
+        self.resume_point: str | None = None  # the save point of the checkpoint loaded (a SavePoint value)
         self.ddp_buckets: list[list[int]] | None = None  # DDP's gradient buckets in the checkpoint loaded
         self.ddp_forward_sync: bool | None = None  # whether its DDP was to broadcast buffers at the next forward
         self._pending_stop = False
@@ -99,27 +93,19 @@ class RecoverState:
 
     # -- saving ------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def saving(self, trainer: Any, boundary: bool, ranks: CheckpointGroup, point: str | None = None) -> Iterator[None]:
-        """Within: Lightning's ``dump_checkpoint`` is one of the callback's own saves, so
-        :meth:`state_dict` adds RNG and loader positions (a collective in multi-rank runs:
-        every rank is in the save). ``point``: one of :data:`SAVE_POINTS` when the save is
-        taken at the save point after a step (``None``: from inside a hook)."""
-        self._saving = (trainer, boundary, ranks, point)
-        try:
-            yield
-        finally:
-            self._saving = None
-
     def state_dict(self) -> dict[str, Any]:
-        """Trigger progress and epoch position; in our own saves also RNG and loader position."""
-        state: dict[str, Any] = {"freq": self.freq.state_dict(), **self.position.state_dict(),
-                                 "evaluator": self.evaluator.state_dict()}
-        if self._saving is None:
-            return state
-        trainer, boundary, ranks, point = self._saving
+        """Trigger progress, epoch position, validation position (Lightning's callback state;
+        the callback's own saves add :meth:`capture` to it)."""
+        return {"freq": self.freq.state_dict(), **self.position.state_dict(), "evaluator": self.evaluator.state_dict()}
+
+    def capture(self, trainer: Any, boundary: bool, ranks: CheckpointGroup, point: SavePoint | None) -> dict[str, Any]:
+        """What a recover save adds to :meth:`state_dict`: the save point, the RNG states and
+        the train loaders' positions (every rank's, gathered: Lightning saves rank 0's callback
+        state only; collective in multi-rank runs), the epoch aggregates, DDP's buckets.
+        ``point``: ``None`` for a save from inside a hook (``RecoverCallback.save``)."""
+        state: dict[str, Any] = {}
         if point is not None:
-            state["save_point"] = point
+            state["save_point"] = SavePoint(point).value
             state["should_stop"] = bool(trainer.should_stop)
         # Set by the epoch's on_train_epoch_start hooks (GradientAccumulationScheduler), which a
         # mid-epoch resume does not run again.
@@ -152,28 +138,22 @@ class RecoverState:
             state["per_rank"] = {str(rank): entry for rank, entry in enumerate(gathered)}
         return state
 
-    def plain_names(self, checkpoint: dict[str, Any]) -> None:
-        """In our own saves, the canonical form: the model's state-dict keys without
+    @staticmethod
+    def canonical(checkpoint: dict[str, Any], trainer: Any) -> None:
+        """A recover checkpoint's canonical form, in place: the model's state-dict keys without
         ``torch.compile``'s ``_orig_mod.`` segments (a compiled and an uncompiled run resume each
         other's checkpoints), every optimizer's state keyed by parameter name as sharded
-        strategies key it (any strategy family resumes the checkpoint: :func:`optimizer_keys`)."""
-        if self._saving is None:
-            return
+        strategies key it (any strategy family resumes the checkpoint: :func:`optimizer_keys`),
+        and no copy of the train loaders' states in Lightning's loop state: the tracker restores
+        every train loader itself, each rank its own (Lightning keeps rank 0's loader states
+        only), and at an epoch boundary a stateful loader's state would even skip the next epoch
+        (Lightning restores it as "exhausted")."""
         if isinstance(checkpoint.get("state_dict"), dict):
             checkpoint["state_dict"] = {plain_name(k): v for k, v in checkpoint["state_dict"].items()}
-        trainer = self._saving[0]
         if not is_sharded(trainer.strategy) and checkpoint.get("optimizer_states"):
             names = parameter_names(trainer.lightning_module)
             checkpoint["optimizer_states"] = [by_name(opt, state, names) for opt, state
                                               in zip(trainer.optimizers, checkpoint["optimizer_states"])]
-
-    def strip_loader_states(self, checkpoint: dict[str, Any]) -> None:
-        """In our own saves, drop Lightning's copy of the train loaders' states: the tracker
-        restores every train loader itself, each rank its own (Lightning keeps rank 0's loader
-        states only), and at an epoch boundary a stateful loader's state would even skip the
-        next epoch (Lightning restores it as "exhausted")."""
-        if self._saving is None:
-            return
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         if "combined_loader" in fit_state:
             fit_state["combined_loader"] = []
@@ -316,7 +296,7 @@ def _versions() -> dict[str, str]:
     import lightning
     import transformers
 
-    from areal_lightning import __version__
+    from areal_lightning.version import __version__
 
     return {"torch": torch.__version__, "lightning": lightning.__version__,
             "transformers": transformers.__version__, "areal_lightning": __version__}

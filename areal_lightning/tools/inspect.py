@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from areal_lightning.errors import AreaLightningError, start_fresh
+from areal_lightning.errors import AreaLightningError, InspectUsageError, start_fresh
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     COMMIT_MARKER,
@@ -58,10 +58,6 @@ __all__ = ["InspectUsageError", "inspect_trial", "inspect_path", "render_reports
 SAFETENSORS = HF_WEIGHTS
 SAFETENSORS_INDEX = HF_INDEX
 _MAX_HEADER = 100 << 20  # the safetensors library refuses headers above 100 MB too
-
-
-class InspectUsageError(AreaLightningError, ValueError):
-    """The path given to ``inspect`` does not exist or holds no trial (exit code 2)."""
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from areal_lightning.commit.generations import MARKER, Generations
 from areal_lightning.commit.manifest import check_files
 from areal_lightning.commit.recover_store import check_info
 from areal_lightning.commit.upload import exports_of
-from areal_lightning.errors import CheckpointCorruptError, start_fresh
+from areal_lightning.errors import InspectUsageError, CheckpointCorruptError, start_fresh
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     HF_INDEX,
@@ -52,8 +52,6 @@ def find_remote_trials(path: str, user: str | None = None, experiment: str | Non
                        trial: str | None = None, storage_options: Any = None) -> list[str]:
     """Trial prefixes at or below ``path`` (a fileroot, its ``checkpoints/``, a user, experiment
     or trial prefix), filtered by ``user`` / ``experiment`` / ``trial``."""
-    from areal_lightning.tools.inspect import InspectUsageError
-
     fs = filesystem(path, storage_options)
     fs.invalidate_cache()
     root = path.rstrip("/")

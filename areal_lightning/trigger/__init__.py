@@ -2,7 +2,7 @@
 
 from areal_lightning.trigger.freq import EpochPosition, FreqController
 from areal_lightning.trigger.gate import StepGate
-from areal_lightning.trigger.schedule import Save, SaveSchedule
+from areal_lightning.trigger.schedule import Save, SavePoint, SaveSchedule
 from areal_lightning.trigger.step import StepInfo
 
-__all__ = ["EpochPosition", "FreqController", "Save", "SaveSchedule", "StepGate", "StepInfo"]
+__all__ = ["EpochPosition", "FreqController", "Save", "SavePoint", "SaveSchedule", "StepGate", "StepInfo"]

@@ -21,10 +21,10 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Iterable
+from typing import Any
 
 from areal_lightning.collective import CheckpointGroup
-from areal_lightning.errors import ConfigError
+from areal_lightning.config import DEFAULT_PREEMPT_SIGNALS, parse_signals  # re-exported
 
 __all__ = ["PREEMPTED_EXIT_CODE", "DEFAULT_PREEMPT_SIGNALS", "parse_signals", "PreemptionWatch", "Preempted"]
 
@@ -36,43 +36,11 @@ durable: ``EX_TEMPFAIL`` of ``sysexits.h`` ("temporary failure, the user is invi
 Supervisors re-run the same command on it: ``areal-lightning run``, ``torchrun --max-restarts``,
 a Kubernetes ``podFailurePolicy`` (``onExitCodes: [75]``), SLURM's requeue."""
 
-DEFAULT_PREEMPT_SIGNALS = ("SIGTERM",)
-
-_FORBIDDEN = {"SIGKILL", "SIGSTOP"}
-
 
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is durable; exits the process with
     :data:`PREEMPTED_EXIT_CODE` (or the configured code) unless caught. A ``SystemExit``, so an
     ``except Exception`` in the training script does not swallow it."""
-
-
-def parse_signals(value: Any, field: str = "preempt_signals") -> tuple[signal.Signals, ...]:
-    """Signal names (``"SIGTERM"``, ``"USR1"``) or numbers -> signals; ``None`` or empty: none."""
-    if value is None:
-        return ()
-    if isinstance(value, (str, int)):
-        value = [value]
-    if not isinstance(value, Iterable):
-        raise ConfigError(field, f"expected a list of signal names such as ['SIGTERM', 'SIGUSR1'], got {value!r}")
-    out: list[signal.Signals] = []
-    for item in value:
-        try:
-            if isinstance(item, bool):
-                raise ValueError
-            if isinstance(item, int):
-                sig = signal.Signals(item)
-            else:
-                name = str(item).upper()
-                sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
-        except (KeyError, ValueError):
-            raise ConfigError(field, f"unknown signal {item!r}; allowed: signal names such as SIGTERM, SIGUSR1, "
-                                     "SIGUSR2, SIGINT (or their numbers)") from None
-        if sig.name in _FORBIDDEN:
-            raise ConfigError(field, f"{sig.name} cannot be caught; allowed: any other signal, such as SIGTERM")
-        if sig not in out:
-            out.append(sig)
-    return tuple(out)
 
 
 class PreemptionWatch:

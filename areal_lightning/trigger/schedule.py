@@ -17,7 +17,16 @@ from areal_lightning.trigger.freq import FreqController
 from areal_lightning.trigger.gate import StepGate
 from areal_lightning.trigger.preempt import PreemptionWatch
 
-__all__ = ["SaveSchedule", "Save"]
+__all__ = ["SaveSchedule", "Save", "SavePoint"]
+
+
+class SavePoint(str, Enum):
+    """Where a save is taken: after everything Lightning runs for a step that is not its epoch's
+    last (``STEP_END``), or after the epoch's end as well (``EPOCH_END``). The value is what a
+    recover checkpoint stores (``save_point``)."""
+
+    STEP_END = "step_end"
+    EPOCH_END = "epoch_end"
 
 
 class Save(Enum):

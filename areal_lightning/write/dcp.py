@@ -952,6 +952,7 @@ class DCPEngine:
         then: Callable[[Written], None] | None = None,
         label: PathLike | None = None,
         prepare: Callable[[], Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         """Write ``state`` to the DCP directory ``path``.
 
@@ -965,7 +966,8 @@ class DCPEngine:
         sync save, in the background for an async one; its failure is the save's failure.
         In a collective sync save every rank then agrees that it succeeded, so a failure of
         rank 0's ``then`` is raised on every rank. ``label`` names the save in messages and
-        in :attr:`in_flight` (default: ``path``)."""
+        in :attr:`in_flight` (default: ``path``). ``storage_options``: the object-store options of
+        this save (default: the engine's)."""
         path = location(path)
         label = str(label if label is not None else path)
         what = label if label == str(path) else f"{label} (written at {path})"
@@ -988,7 +990,7 @@ class DCPEngine:
             if isinstance(path, str):  # object store: a fresh generation prefix, no folders to make
                 writer = _CommitWriter(path, single_file_per_rank=True, sync_files=False,
                                        thread_count=self.thread_count)
-                _on_object_store(writer, path, self.storage_options)
+                _on_object_store(writer, path, self.storage_options if storage_options is None else storage_options)
             else:
                 _invalidate(path, withdraw_marker=rank == 0)
                 writer = _CommitWriter(path, single_file_per_rank=True, sync_files=True,

@@ -502,18 +502,31 @@ class Net(pl.LightningModule):
 # -- one fit -----------------------------------------------------------------------------------
 
 
+class SpiedRecover(RecoverCallback):
+    """Notes in the trace where each recover save happened (its session's ``save``)."""
+
+    def __init__(self, trace: Trace, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.trace = trace
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        session = self._session
+        if session is None:
+            return
+        save = session.save
+
+        def spied_save(point: Any = None) -> None:
+            self.trace.add("ev", "save", trainer.current_epoch, None, trainer.global_step)
+            save(point)
+
+        session.save = spied_save  # type: ignore[method-assign]
+
+
 def recover_callback(job: Job, root: Path, trace: Trace) -> RecoverCallback:
-    rc = RecoverCallback(fileroot=root / "recover", experiment_name="matrix", trial_name="t", user="u",
-                         freq_steps=job.freq_steps, freq_epochs=job.freq_epochs, freq_secs=job.freq_secs,
-                         io_mode=job.io_mode, async_executor=job.async_executor, fast_forward=job.fast_forward)
-    save = rc.save
-
-    def spied_save(trainer: pl.Trainer) -> None:  # notes in the trace where each save happened
-        trace.add("ev", "save", trainer.current_epoch, None, trainer.global_step)
-        save(trainer)
-
-    rc.save = spied_save  # type: ignore[method-assign]
-    return rc
+    return SpiedRecover(trace, fileroot=root / "recover", experiment_name="matrix", trial_name="t", user="u",
+                        freq_steps=job.freq_steps, freq_epochs=job.freq_epochs, freq_secs=job.freq_secs,
+                        io_mode=job.io_mode, async_executor=job.async_executor, fast_forward=job.fast_forward)
 
 
 def _hex(v: Any) -> str | None:
