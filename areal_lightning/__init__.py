@@ -6,7 +6,10 @@
   ``torch.distributed.checkpoint`` directories, synchronously or asynchronously.
 - :class:`AreaLightningError` is the base of every error raised on purpose
   (:class:`ConfigError`, :class:`CheckpointCorruptError`, :class:`CheckpointWriteError`,
-  :class:`RankFailure`, :class:`RecoverMismatchError`).
+  :class:`RankFailure`, :class:`RecoverMismatchError`, :class:`StorageError`, :class:`TrialLockedError`,
+  :class:`UsageError`, :class:`UnsupportedModelError`, :class:`CheckpointNotFoundError`,
+  :class:`PathOccupiedError`, :class:`IncompatibleVersionError`, :class:`InspectUsageError`; see
+  :mod:`areal_lightning.errors`).
 - :class:`SaverConfig`, :class:`RecoverConfig`, :class:`ExperimentConfig` and
   :func:`load_config` read and validate Hydra-style YAML configs;
   :func:`callbacks_from_config` builds the enabled callbacks from one.
@@ -53,6 +56,12 @@ _EXPORTS = {
     "RecoverMismatchError": "areal_lightning.errors",
     "TrialLockedError": "areal_lightning.errors",
     "StorageError": "areal_lightning.errors",
+    "UsageError": "areal_lightning.errors",
+    "UnsupportedModelError": "areal_lightning.errors",
+    "CheckpointNotFoundError": "areal_lightning.errors",
+    "PathOccupiedError": "areal_lightning.errors",
+    "IncompatibleVersionError": "areal_lightning.errors",
+    "InspectUsageError": "areal_lightning.errors",
     "download_export": "areal_lightning.tools.download",
     "convert": "areal_lightning.tools.convert",
     "AreaLightningError": "areal_lightning.errors",
@@ -86,11 +95,18 @@ if TYPE_CHECKING:
     from areal_lightning.errors import (
         AreaLightningError,
         CheckpointCorruptError,
+        CheckpointNotFoundError,
         CheckpointWriteError,
         ConfigError,
+        IncompatibleVersionError,
+        InspectUsageError,
+        PathOccupiedError,
         RankFailure,
         RecoverMismatchError,
         StorageError,
+        TrialLockedError,
+        UnsupportedModelError,
+        UsageError,
     )
     from areal_lightning.layout import TrialLayout, export_name, parse_export_name
     from areal_lightning.lightning import (

@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 
-from areal_lightning.errors import AreaLightningError
+from areal_lightning.errors import AreaLightningError, ConfigError
 
 ENV_VAR = "AREAL_LIGHTNING_FAULT"
 TRACE_ENV_VAR = "AREAL_LIGHTNING_FAULT_TRACE"
@@ -124,7 +124,7 @@ def fault_point(name: str) -> None:
             _trace(name, hit, "hang")
             while True:  # a stuck rank (hung storage, a deadlock): only a signal ends it
                 time.sleep(60)
-        raise ValueError(f"{ENV_VAR}: unknown action {action!r} for point {name!r}; allowed: raise, kill, hang, trace")
+        raise ConfigError(ENV_VAR, f"unknown action {action!r} for point {name!r}; allowed: raise, kill, hang, trace")
 
 
 def reset_fault_counts() -> None:

@@ -13,6 +13,10 @@
     │                                                names the bucket and the operation
     ├── TrialLockedError       (also a RuntimeError) another process is training the same trial
     ├── UsageError             (also a RuntimeError) a call at a time or place it cannot work
+    ├── UnsupportedModelError  (also a TypeError)    a model (or a layer of it) this operation cannot handle
+    ├── CheckpointNotFoundError (also a FileNotFoundError) no checkpoint at the path given
+    ├── PathOccupiedError      (also a FileExistsError) something else is where a checkpoint would be written
+    ├── IncompatibleVersionError (also a RuntimeError) the installed Lightning or torch lacks what this version uses
     └── InspectUsageError      (also a ValueError)   a path given to a command holds no trial (exit code 2)
 
 ``except AreaLightningError`` catches all of them; the second base keeps the built-in type
@@ -32,6 +36,10 @@ __all__ = [
     "TrialLockedError",
     "InspectUsageError",
     "UsageError",
+    "UnsupportedModelError",
+    "CheckpointNotFoundError",
+    "PathOccupiedError",
+    "IncompatibleVersionError",
     "start_fresh",
 ]
 
@@ -77,6 +85,25 @@ class TrialLockedError(AreaLightningError, RuntimeError):
 class UsageError(AreaLightningError, RuntimeError):
     """A call made where it cannot work (``RecoverCallback.save`` outside ``fit``, a second save
     while one is in flight where only one may be); the message says where it belongs."""
+
+
+class UnsupportedModelError(AreaLightningError, TypeError):
+    """The model (or a layer of it) is of a kind this operation cannot handle; the message names
+    the attribute, the type found and what is supported."""
+
+
+class CheckpointNotFoundError(AreaLightningError, FileNotFoundError):
+    """No checkpoint at the path given (a missing folder, a prefix with no committed generation)."""
+
+
+class PathOccupiedError(AreaLightningError, FileExistsError):
+    """A file, or a folder that is not a checkpoint, is where a checkpoint would be written; nothing
+    was written or removed."""
+
+
+class IncompatibleVersionError(AreaLightningError, RuntimeError):
+    """The installed Lightning or torch lacks an attribute this version of areal-lightning relies
+    on (each is pinned by a test); the message names it and what to do instead."""
 
 
 class InspectUsageError(AreaLightningError, ValueError):

@@ -115,7 +115,7 @@ from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.commit.atomic import AtomicDir
 from areal_lightning.commit.upload import UploadCommit
 from areal_lightning.config import DEFAULT_SHARDED_METHOD, SHARDED_METHODS
-from areal_lightning.errors import CheckpointWriteError, ConfigError
+from areal_lightning.errors import CheckpointWriteError, ConfigError, UsageError
 from areal_lightning.objectstore import is_remote
 from areal_lightning.stage import BackgroundWorker
 from areal_lightning.write.hf import (
@@ -317,7 +317,7 @@ class HFExporter:
         ``on_published(final_dir, blocked_s)`` runs on rank 0 after the folder is published
         (in the background thread for async; ``blocked_s`` is ``None`` for sync)."""
         if self._closed:
-            raise RuntimeError("HFExporter is closed")
+            raise UsageError("HFExporter.save: the exporter is closed (HFExporter.close was called); make a new one")
         start = time.perf_counter()
         if self._worker is not None:
             self.settle()  # (a sync export already agreed when it finished)

@@ -99,7 +99,7 @@ def export_name(epoch: int, epoch_step: int, global_step: int) -> str:
     """``epoch{E}epochstep{S}globalstep{G}`` for 0-based indices (all must be >= 0)."""
     for label, v in (("epoch", epoch), ("epoch_step", epoch_step), ("global_step", global_step)):
         if v < 0:
-            raise ValueError(f"{label} must be >= 0, got {v}")
+            raise ConfigError(label, f"must be >= 0, got {v}")
     return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
 
 

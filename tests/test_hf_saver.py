@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal_lightning.errors import ConfigError, UnsupportedModelError
 from areal_lightning import HFSaverCallback, parse_export_name
 from areal_lightning._fault import ENV_VAR, InjectedFault
 from tests.conftest import LMModule, make_trainer, tiny_gpt2, tiny_llama, token_loader
@@ -141,9 +142,10 @@ def test_tokenizer_argument_wins_and_callable_model_attr(tmp_path, tokenizer) ->
 
 def test_wrong_model_attr_fails_before_training(tmp_path) -> None:
     module = LMModule(tiny_llama())
-    for attr, words in (("backbone", "has no attribute 'backbone'"), ("lr", "not a transformers.PreTrainedModel")):
+    for attr, error, words in (("backbone", ConfigError, "model_attr: .*has no attribute 'backbone'"),
+                               ("lr", UnsupportedModelError, "not a transformers.PreTrainedModel")):
         cb = saver(tmp_path, model_attr=attr, freq_steps=1)
-        with pytest.raises(TypeError, match=words):
+        with pytest.raises(error, match=words):
             make_trainer([cb], max_epochs=1).fit(module, token_loader(n_batches=2))
         assert module.losses == []  # not a single step ran
     assert not (tmp_path / "checkpoints").exists()

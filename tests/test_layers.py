@@ -249,3 +249,52 @@ def test_no_private_name_of_another_library_in_a_string_outside_the_adapters() -
 def test_the_string_check_catches_a_private_name_in_getattr(code: str, tmp_path: Path) -> None:
     path = tmp_path / "areal_lightning" / "capture" / "x.py"
     assert private_strings({path: ast.parse(code)}, tmp_path / "areal_lightning")
+
+
+# -- every error a user can see is an AreaLightningError ------------------------------------------
+
+# Raises of built-in exceptions that stay built-in, and why (none reaches a user as such).
+BUILTIN_RAISES = {
+    ("__init__.py", "AttributeError"): "the module __getattr__ protocol of the lazy re-exports",
+    ("tools/certify.py", "AttributeError"): "the module __getattr__ protocol",
+    ("tools/demo.py", "AttributeError"): "the module __getattr__ protocol",
+    ("capture/loader.py", "ValueError"): "remap_position: caught by RecoverState and raised as RecoverMismatchError",
+    ("capture/optimizer_names.py", "ValueError"): "by_index: caught by the session, raised as RecoverMismatchError",
+    ("capture/loader.py", "RuntimeError"): "an internal invariant (a position asked for before the first batch)",
+    ("commit/atomic.py", "ValueError"): "AtomicDir's invariants on names the package builds itself",
+    ("config.py", "ValueError"): "parse_signals: caught three lines below and raised as ConfigError",
+    ("tools/certify.py", "ValueError"): "read_losses: caught by certify and reported in its table",
+    ("namespaces.py", "ImportError"): "neither lightning.pytorch nor pytorch_lightning is installed (an install error)",
+    ("write/process.py", "EOFError"): "the checkpoint process's pipe closed: caught and raised as CheckpointWriteError",
+    ("write/raw.py", "ValueError"): "tensor_bytes' precondition (the package stages to contiguous CPU tensors first)",
+}
+
+
+def builtin_raises(trees: dict[Path, ast.AST], root: Path = PACKAGE) -> list[tuple[str, str, int]]:
+    import builtins
+
+    names = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+             and issubclass(getattr(builtins, n), BaseException)}
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id in names:
+                    found.append((path.relative_to(root).as_posix(), exc.id, node.lineno))
+    return found
+
+
+def test_every_error_a_user_can_see_is_an_area_lightning_error() -> None:
+    """``errors.py`` promises one base class: a raise of a built-in exception is either one of the
+    listed internal ones or a defect (use ConfigError, UsageError, CheckpointNotFoundError, ...)."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+    offenders = [f"{rel}:{line}: raise {name}" for rel, name, line in builtin_raises(trees)
+                 if (rel, name) not in BUILTIN_RAISES]
+    assert not offenders, "built-in exceptions raised outside AreaLightningError:\n" + "\n".join(offenders)
+
+
+def test_the_raise_check_catches_a_builtin_raise(tmp_path: Path) -> None:
+    path = tmp_path / "areal_lightning" / "write" / "x.py"
+    tree = ast.parse("def f(x):\n    if x:\n        raise ValueError('bad x')\n")
+    assert builtin_raises({path: tree}, tmp_path / "areal_lightning") == [("write/x.py", "ValueError", 3)]

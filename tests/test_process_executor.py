@@ -107,5 +107,5 @@ def test_an_unknown_executor_is_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"async_executor.*'processes'.*thread, process"):
         RecoverCallback(fileroot=tmp_path, experiment_name="e", trial_name="t", mode="on", freq_steps=1,
                         async_executor="processes")
-    with pytest.raises(ValueError, match="async_executor must be one of thread, process"):
+    with pytest.raises(ConfigError, match=r"async_executor: unknown executor 'pool'; allowed: thread, process"):
         DCPEngine(async_executor="pool")

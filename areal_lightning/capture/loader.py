@@ -53,7 +53,7 @@ from areal_lightning._torch_internals import loader_subclass, swap_class
 from areal_lightning.capture.rng import from_saved, to_saved
 from areal_lightning.capture.worker_rng import DirectedIndices, WorkerBatch, WorkerHooks
 from areal_lightning.config import FAST_FORWARD_MODES
-from areal_lightning.errors import RecoverMismatchError, start_fresh
+from areal_lightning.errors import ConfigError, RecoverMismatchError, start_fresh
 from areal_lightning.namespaces import fabric_classes
 
 __all__ = ["LoaderTracker", "is_stateful_loader", "restores_itself", "remap_position"]
@@ -419,7 +419,7 @@ class LoaderTracker:
     def __init__(self, unwrap_sampler: Callable[[Any], Any] = lambda sampler: sampler,
                  fast_forward: str = "sampler") -> None:
         if fast_forward not in FAST_FORWARD_MODES:
-            raise ValueError(f"fast_forward: unknown mode {fast_forward!r}; allowed: {', '.join(FAST_FORWARD_MODES)}")
+            raise ConfigError("fast_forward", f"unknown mode {fast_forward!r}; allowed: {', '.join(FAST_FORWARD_MODES)}")
         self.fast_forward = fast_forward
         self._sampler_skip: dict[int, tuple[int, torch.Tensor]] = {}
         self._replay_reason: dict[int, str] = {}

@@ -28,7 +28,7 @@ import torch
 
 from areal_lightning._torch_internals import PEFT_LOADED_FLAG
 from areal_lightning.capture.compiled import plain_name, uncompiled
-from areal_lightning.errors import CheckpointWriteError
+from areal_lightning.errors import CheckpointWriteError, UnsupportedModelError
 
 __all__ = ["is_peft", "over_pretrained", "check_exportable", "unnamed_bases", "adapter_entries", "plain_state", "peft_twin", "follow", "layer_merges", "loaded", "merged_state_dict"]
 
@@ -55,7 +55,7 @@ def _check_mergeable(name: str, layer: Any, adapter: str) -> None:
     dora = getattr(layer, "use_dora", {}).get(adapter, False)
     if dora or not hasattr(layer, "get_delta_weight"):
         kind = "DoRA" if dora else type(layer).__module__.rsplit(".", 2)[-2]  # peft.tuners.<kind>.layer
-        raise TypeError(f"merged export: the {kind} {type(layer).__name__} layer {name!r} (adapter {adapter!r}) "
+        raise UnsupportedModelError(f"merged export: the {kind} {type(layer).__name__} layer {name!r} (adapter {adapter!r}) "
                         "cannot be merged on the fly; supported: adapters "
                         "that add a weight delta (LoRA, LoHa, LoKr, ...); export the adapter instead "
                         "(peft_export='adapter')")
@@ -69,7 +69,7 @@ def check_exportable(model: Any, merged: bool) -> None:
     if not merged:
         return
     if not over_pretrained(model):
-        raise TypeError(f"the PeftModel wraps a {type(uncompiled(model.get_base_model())).__name__}, not a "
+        raise UnsupportedModelError(f"the PeftModel wraps a {type(uncompiled(model.get_base_model())).__name__}, not a "
                         "transformers.PreTrainedModel, so it has no merged HF export (supported: a merged "
                         "export of a PeftModel over a PreTrainedModel, also torch.compile'd; or "
                         "peft_export='adapter' for any PeftModel)")

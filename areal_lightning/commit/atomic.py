@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from areal_lightning.errors import PathOccupiedError
 from areal_lightning._fault import fault_point
 from areal_lightning.layout import (
     OLD_PREFIX,
@@ -146,8 +147,8 @@ class AtomicDir:
     def create(self) -> Path:
         """Create the parent and the temporary folder (reused if it exists); return it."""
         if self.final.exists() and not self.final.is_dir():
-            raise FileExistsError(f"cannot write a checkpoint folder to {self.final}: a file exists there; "
-                                  "remove it or choose another path")
+            raise PathOccupiedError(f"cannot write a checkpoint folder to {self.final}: a file exists there; "
+                                    "remove it or choose another path")
         self.tmp.mkdir(parents=True, exist_ok=True)
         return self.tmp
 

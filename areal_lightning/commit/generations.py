@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from areal_lightning._fault import fault_point
-from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.errors import CheckpointCorruptError, CheckpointNotFoundError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import abort_uploads, filesystem, join, name, strip, write_exclusive
 
@@ -184,5 +184,5 @@ def resolve(path: str, storage_options: Mapping[str, Any] | None = None) -> str:
         return generations.prefix
     newest = generations.newest()
     if newest is None:
-        raise FileNotFoundError(f"checkpoint not found: {path} holds no committed generation ({MARKER})")
+        raise CheckpointNotFoundError(f"checkpoint not found: {path} holds no committed generation ({MARKER})")
     return generations.uri(newest[0])

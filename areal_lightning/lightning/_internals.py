@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from areal_lightning.errors import IncompatibleVersionError
+
 __all__ = [
     "Patch",
     "dump_checkpoint",
@@ -109,7 +111,7 @@ class Patch:
 def _require(obj: Any, attr: str, where: str) -> Callable[..., Any]:
     method = getattr(obj, attr, None)
     if not callable(method):
-        raise RuntimeError(
+        raise IncompatibleVersionError(
             f"areal_lightning: this Lightning version has no {where}.{attr}, which auto-resume relies on; "
             "pass ckpt_path=recover_callback.last_checkpoint() to trainer.fit instead")
     return method

@@ -56,7 +56,7 @@ from torch.optim import Optimizer
 from areal_lightning.commit.atomic import AtomicDir, CommitTarget, clean_leftovers
 from areal_lightning.layout import new_token
 from areal_lightning.config import IO_MODES, check_async_executor
-from areal_lightning.errors import ConfigError
+from areal_lightning.errors import ConfigError, PathOccupiedError
 from areal_lightning.commit.generations import GenerationCommit, Generations, resolve
 from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
@@ -128,7 +128,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
             elif supported:
                 self._resolved = "async"
             elif self._mode == "async":
-                raise RuntimeError(f"DCPCheckpointIO(mode='async') is not possible: {reason}; use mode='sync' or 'auto'")
+                raise ConfigError("mode", f"DCPCheckpointIO(mode='async') is not possible: {reason}; allowed here: 'sync', 'auto'")
             else:
                 rank_zero_warn(f"DCPCheckpointIO(mode='auto'): saving synchronously because {reason}")
                 self._resolved = "sync"
@@ -230,10 +230,8 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         checkpoint's dotted paths) are loaded in place, resharded by DCP."""
         check_path(os.fspath(path), "path")
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
-            raise TypeError(
-                f"DCPCheckpointIO.load_checkpoint: map_location must be None, a torch.device or a device "
-                f"string, got {type(map_location).__name__}"
-            )
+            raise ConfigError("map_location", f"DCPCheckpointIO.load_checkpoint: expected None, a torch.device or a "
+                              f"device string, got {type(map_location).__name__}")
         if is_remote(path):
             path = resolve(str(path), self._engine.storage_options)
         elif not self._engine.is_collective():  # collective loads: the bridge repairs on rank 0 first
@@ -279,7 +277,7 @@ class CheckpointDir(AtomicDir):
     def create(self) -> Path:
         """Refuse a non-empty folder without a commit marker at the path, then create the temporary folder."""
         if self.final.is_dir() and not (self.final / COMMIT_MARKER).is_file() and any(self.final.iterdir()):
-            raise FileExistsError(
+            raise PathOccupiedError(
                 f"cannot save a checkpoint to {self.final}: it is a folder that is not a DCP checkpoint (no "
                 f"{COMMIT_MARKER}), and saving would replace it; remove it or choose another path")
         return super().create()

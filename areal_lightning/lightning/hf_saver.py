@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 
+from areal_lightning.errors import UnsupportedModelError
 from areal_lightning.capture.compiled import uncompiled
 from areal_lightning.capture.hf_weights import fsdp1_root
 from areal_lightning.capture.peft_weights import check_exportable, is_peft, unnamed_bases
@@ -234,8 +235,8 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             try:
                 model = functools.reduce(getattr, self.model_attr.split("."), pl_module)
             except AttributeError:
-                raise TypeError(
-                    f"HFSaverCallback(name={self.name!r}): {type(pl_module).__name__} has no attribute "
+                raise ConfigError(
+                    "model_attr", f"HFSaverCallback(name={self.name!r}): {type(pl_module).__name__} has no attribute "
                     f"{self.model_attr!r}; set model_attr to the attribute holding the PreTrainedModel "
                     "or to a callable module -> PreTrainedModel"
                 ) from None
@@ -245,7 +246,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             try:
                 check_exportable(model, merged=self.peft_export != "adapter")
             except TypeError as exc:
-                raise TypeError(f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__}: "
+                raise UnsupportedModelError(f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__}: "
                                 f"{exc}") from None
             unnamed = unnamed_bases(model) if self.peft_export == "adapter" else []
             if unnamed:
@@ -259,7 +260,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                     "peft_config[adapter].base_model_name_or_path to its path or Hub id"
                 )
         elif not isinstance(model, PreTrainedModel):
-            raise TypeError(
+            raise UnsupportedModelError(
                 f"HFSaverCallback(name={self.name!r}): {where} of {type(pl_module).__name__} is a "
                 f"{type(model).__name__}, not a transformers.PreTrainedModel (supported: a PreTrainedModel or a "
                 "peft.PeftModel, also torch.compile'd)"

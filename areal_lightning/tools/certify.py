@@ -92,7 +92,7 @@ from typing import Any, Callable, Sequence
 
 from areal_lightning._fault import ENV_VAR as FAULT_ENV
 from areal_lightning._fault import POINTS, TRACE_ENV_VAR
-from areal_lightning.errors import AreaLightningError
+from areal_lightning.errors import AreaLightningError, CheckpointCorruptError
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     HF_INDEX,
@@ -378,10 +378,10 @@ def _load_export(path: Path) -> dict[str, Any]:
     if index.is_file():
         for name in set(json.loads(index.read_text())["weight_map"].values()):
             if not (path / name).is_file():
-                raise FileNotFoundError(f"{path / name} (named by {index.name}) is missing")
+                raise CheckpointCorruptError(f"{path / name} (named by {index.name}) is missing")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} holds no *.safetensors")
+        raise CheckpointCorruptError(f"{path} holds no *.safetensors")
     tensors: dict[str, Any] = {}
     for f in files:
         tensors.update(load_file(str(f)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from areal_lightning.commit.generations import MARKER
 from areal_lightning.commit.upload import committed_exports
-from areal_lightning.errors import CheckpointCorruptError
+from areal_lightning.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PathOccupiedError
 from areal_lightning.layout import parse_export_name
 from areal_lightning.objectstore import check_path, filesystem, is_remote, join, name, strip
 
@@ -45,23 +45,23 @@ def download_export(uri: str, local_dir: str | os.PathLike[str] | None = None,
     """
     check_path(uri, "uri")
     if not is_remote(uri):
-        raise ValueError(f"{uri!r} is not an object-store URI; a local export folder loads with from_pretrained as is")
+        raise ConfigError("uri", f"{uri!r} is not an object-store URI; a local export folder loads with from_pretrained as is")
     uri = uri.rstrip("/")
     if parse_export_name(name(uri)) is None:
         exports = committed_exports(uri, storage_options)
         if not exports:
-            raise FileNotFoundError(f"{uri} holds no committed HF export ({MARKER})")
+            raise CheckpointNotFoundError(f"{uri} holds no committed HF export ({MARKER})")
         uri = exports[-1][1]
     fs = filesystem(uri, storage_options)
     try:
         marker = json.loads(fs.cat_file(strip(fs, join(uri, MARKER))))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{uri} is not a committed HF export (no {MARKER}: the upload was interrupted, "
+        raise CheckpointNotFoundError(f"{uri} is not a committed HF export (no {MARKER}: the upload was interrupted, "
                                 "or it is being replaced)") from None
     files: dict[str, int] = marker.get("files", {})
     target = Path(local_dir) if local_dir is not None else Path(tempfile.mkdtemp(prefix=f"{name(uri)}-"))
     if target.exists() and any(target.iterdir()):
-        raise FileExistsError(f"{target} is not empty; give a new or empty folder")
+        raise PathOccupiedError(f"{target} is not empty; give a new or empty folder")
     target.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
     try:

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
+from areal_lightning.errors import ConfigError
+
 __all__ = ["run_with_retries", "ATTEMPT_ENV"]
 
 ATTEMPT_ENV = "AREAL_LIGHTNING_ATTEMPT"
@@ -46,9 +48,9 @@ def run_with_retries(
         0
     """
     if not command:
-        raise ValueError("run: no command given; usage: areal-lightning run [--retries N] -- <command ...>")
+        raise ConfigError("command", "run: no command given; usage: areal-lightning run [--retries N] -- <command ...>")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"retries: expected an integer >= 0, got {retries!r}")
+        raise ConfigError("retries", f"expected an integer >= 0, got {retries!r}")
     total = retries + 1
     rc = 0
     stop: dict[str, int | None] = {"signal": None}

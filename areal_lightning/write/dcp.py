@@ -134,7 +134,7 @@ from areal_lightning._torch_internals import (
     storage_info,
 )
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
-from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError, ConfigError, PathOccupiedError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import filesystem, is_remote, strip
 from areal_lightning.stage.host import bind_thread_to, copy_into, cuda_device, pin_buffers
@@ -769,12 +769,12 @@ def check_complete(path: PathLike, storage_options: Mapping[str, Any] | None = N
         fs.invalidate_cache(strip(fs, path))
         if not fs.exists(strip(fs, f"{path.rstrip('/')}/{COMMIT_MARKER}")):
             if not fs.exists(strip(fs, path)):
-                raise FileNotFoundError(f"checkpoint not found: {path}")
+                raise CheckpointNotFoundError(f"checkpoint not found: {path}")
             raise CheckpointCorruptError(
                 f"{path} has no {COMMIT_MARKER}: the save was interrupted or the prefix is not a DCP checkpoint")
         return path
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise CheckpointNotFoundError(f"checkpoint not found: {path}")
     if not path.is_dir():
         raise CheckpointCorruptError(
             f"{path} is a file, not a DCP checkpoint directory (was it written by Lightning's "
@@ -793,7 +793,7 @@ def _invalidate(path: Path, *, withdraw_marker: bool = True) -> None:
     by rank 0 alone in a collective save, before its first collective: no rank writes data
     before every rank has entered the save)."""
     if path.exists() and not path.is_dir():
-        raise FileExistsError(f"cannot write a DCP checkpoint to {path}: a file exists there; remove it or choose another path")
+        raise PathOccupiedError(f"cannot write a DCP checkpoint to {path}: a file exists there; remove it or choose another path")
     path.mkdir(parents=True, exist_ok=True)
     withdrawn = False
     for name in (COMMIT_MARKER, COMMIT_MARKER + ".tmp") if withdraw_marker else ():
@@ -897,9 +897,9 @@ class DCPEngine:
     def __init__(self, *, thread_count: int = 2, collective: bool = False,
                  collective_timeout: float = DEFAULT_TIMEOUT_S, async_executor: str = "thread") -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count must be an integer >= 1, got {thread_count!r}")
+            raise ConfigError("thread_count", f"expected an integer >= 1, got {thread_count!r}")
         if async_executor not in ASYNC_EXECUTORS:
-            raise ValueError(f"async_executor must be one of {', '.join(ASYNC_EXECUTORS)}, got {async_executor!r}")
+            raise ConfigError("async_executor", f"unknown executor {async_executor!r}; allowed: {', '.join(ASYNC_EXECUTORS)}")
         self.thread_count = thread_count
         self.async_executor = async_executor
         """Where async saves that need no plan are written: ``thread`` or ``process``
