@@ -63,7 +63,7 @@ POINTS: dict[str, str] = {
     "commit.remove_dir.begin": "remove_dir: before the folder is renamed to .trash-",
     "commit.remove_renamed": "remove_dir: renamed to .trash-, before the trash is deleted",
     "commit.remove_dir.done": "remove_dir: the trash folder is deleted",
-    # object stores (write/dcp.py): a DCP file's multipart upload is under way (every rank)
+    # object stores (write/objectstore_fs.py): a DCP file's multipart upload is under way (every rank)
     "objectstore.mid_upload": "the first part of a data file's multipart upload is sent; the object is not "
                               "complete (writer threads; async: background thread)",
     # object stores (commit/generations.py): a generation is committed by its marker object, rank 0 only

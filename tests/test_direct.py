@@ -21,7 +21,7 @@ from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.write import direct
 from areal_lightning.write.dcp import DCPEngine
-from areal_lightning.write.dcp_format import SKELETON_KEY, UNNAMED, TensorSlot, split
+from areal_lightning.write.dcp_format import SKELETON_KEY, UNNAMED, TensorSlot, flatten
 
 
 def _state(step: int = 3, grown: int = 0) -> dict:
@@ -47,7 +47,7 @@ def test_a_save_without_plan_records_what_dcps_planner_records(tmp_path: Path) -
     engine = DCPEngine()
     engine.save(state, tmp_path / "ours")
     assert engine._layout is not None and not engine._plan_keys  # no DCP plan was made
-    flat = split(state)
+    flat = flatten(state)
     flat.pop(SKELETON_KEY)
     dcp.save(flat, checkpoint_id=tmp_path / "stock", planner=DefaultSavePlanner(flatten_state_dict=False),
              no_dist=True)
@@ -106,10 +106,10 @@ def test_the_skeleton_names_a_tensor_by_its_path_only_when_fill_can_tell_it_agai
         __str__ = __repr__
 
     state = {"a": {"b": torch.ones(1), 3: [torch.zeros(2)]}, "b.a": torch.ones(3)}
-    skeleton = split({**state, "a.b": torch.full((1,), 2.0)})[SKELETON_KEY]
+    skeleton = flatten({**state, "a.b": torch.full((1,), 2.0)})[SKELETON_KEY]
     assert skeleton["a"]["b"] is UNNAMED and skeleton["a"][3][0] is UNNAMED
     assert skeleton["a.b"] == TensorSlot("a.b#1")  # renamed: named
-    assert split({"k": {Key(): torch.ones(1)}})[SKELETON_KEY]["k"].popitem()[1] != UNNAMED
+    assert flatten({"k": {Key(): torch.ones(1)}})[SKELETON_KEY]["k"].popitem()[1] != UNNAMED
     engine = DCPEngine()
     engine.save({**state, "a.b": torch.full((1,), 2.0)}, tmp_path / "c")
     loaded = engine.load(tmp_path / "c")
@@ -176,6 +176,6 @@ def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> 
         now = {k: v.data_ptr() for k, v in engine.staging_buffers.items() if v.numel()}
         assert pointers is None or now == pointers  # the same host buffers every save
         pointers = now
-    assert set(engine.staging_buffers) == set(split(state)) - {SKELETON_KEY}
+    assert set(engine.staging_buffers) == set(flatten(state)) - {SKELETON_KEY}
     engine.close()
     assert engine.staging_buffers is None

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage import BackgroundWorker
-from areal_lightning.write import dcp as engine_mod
+from areal_lightning.write import dcp_writer as writer_mod
 from areal_lightning.write import direct
 from areal_lightning.write.dcp import DCPEngine
 
@@ -134,7 +134,7 @@ def test_async_returns_snapshot_not_later_mutations(tmp_path: Path) -> None:
 def _gate_commit(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Hold every commit (our own writer's finish) until the returned event is set."""
     gate = threading.Event()
-    original, direct_commit = engine_mod._CommitWriter.finish, direct.commit
+    original, direct_commit = writer_mod.HashingWriter.finish, direct.write_metadata
 
     def gated_finish(self, metadata, results):  # type: ignore[no-untyped-def]
         assert gate.wait(30), "test gate never opened"
@@ -144,8 +144,8 @@ def _gate_commit(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
         assert gate.wait(30), "test gate never opened"
         direct_commit(*args)
 
-    monkeypatch.setattr(engine_mod._CommitWriter, "finish", gated_finish)  # saves DCP plans
-    monkeypatch.setattr(direct, "commit", gated_commit)  # saves that need no plan
+    monkeypatch.setattr(writer_mod.HashingWriter, "finish", gated_finish)  # saves DCP plans
+    monkeypatch.setattr(direct, "write_metadata", gated_commit)  # saves that need no plan
     return gate
 
 

@@ -510,7 +510,7 @@ def test_a_put_denied_on_rank_1_only_is_an_error_on_every_rank(s3_auth_server, t
 
 
 def test_the_private_torch_fsspec_file_system_still_offers_what_the_object_store_writer_uses() -> None:
-    """``write/dcp.py`` subclasses torch's private ``_fsspec_filesystem.FileSystem`` (what
+    """``write/objectstore_fs.py`` subclasses torch's private ``_fsspec_filesystem.FileSystem`` (what
     ``FsspecWriter``/``FsspecReader`` use) and sets a DCP writer's/reader's ``fs`` and ``path``
     as those classes do: a torch upgrade that changes either breaks this test first."""
     import inspect

@@ -154,7 +154,7 @@ def test_convert_gives_the_hf_export_of_the_step_a_lightning_file_and_a_stock_dc
     # --to dcp: torch's own layout, which a stock dcp.load reads (every rank's shards, one process)
     import torch.distributed.checkpoint as dcp
 
-    from areal_lightning.write.dcp import read_tensors, tensor_entries
+    from areal_lightning.write.offline import read_tensors, tensor_entries
 
     stock = convert(trial, "dcp", tmp_path / "stock")
     entries = tensor_entries(trial / "default" / "recover_checkpoint")

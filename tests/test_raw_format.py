@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from areal_lightning import convert
 from areal_lightning.errors import CheckpointCorruptError
 from areal_lightning.layout import COMMIT_MARKER
-from areal_lightning.write.dcp import DCPEngine, tensor_entries
+from areal_lightning.write.dcp import DCPEngine
+from areal_lightning.write.offline import tensor_entries
 from areal_lightning.write.raw import RAW_DESCRIPTOR
 
 REPO = Path(__file__).resolve().parents[1]

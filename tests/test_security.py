@@ -51,7 +51,7 @@ def test_no_pickle_outside_dcp_files(tmp_path, tokenizer) -> None:
 # {(file relative to the package, enclosing function): why}. Every entry must be documented
 # in the README's security note. Empty: every torch.load of the package is weights-only.
 WEIGHTS_ONLY_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("write/dcp.py", "_load_trusted"): "reached only when the caller explicitly passes "
+    ("write/dcp_reader.py", "_load_trusted"): "reached only when the caller explicitly passes "
     "weights_only=False (RecoverCallback(weights_only=False) / load_checkpoint(weights_only=False)) for trusted storage",
 }
 

@@ -156,7 +156,7 @@ def verify_files(ckpt_dir: Location, hint: str, storage_options: Mapping[str, An
     """Read every item of every data file once, in offset order, checking length and CRC32C
     (the offline check; loads verify what they read themselves; an item without a recorded
     checksum is checked by length only). Returns bytes read."""
-    from areal_lightning.write.dcp import reader_of
+    from areal_lightning.write.dcp_reader import reader_of
 
     reader = reader_of(ckpt_dir, storage_options)
     try:

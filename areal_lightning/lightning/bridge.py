@@ -201,7 +201,7 @@ def _bridge(strategy: Strategy, io: Any) -> None:
     def load_checkpoint(checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Every rank first waits for its own save in flight: rank 0 alone renames a finished
         # save into place, and the agreement below lets no rank read before it did.
-        io.engine.join(checkpoint_path)
+        io.engine.wait_quietly(checkpoint_path)
         path = common_path(checkpoint_path, "checkpoint load", repair=True)
         # the sharded template is made on every rank first (collective under FSDP1)
         template = {"template": _sharded_template(strategy)} if sharded else {}

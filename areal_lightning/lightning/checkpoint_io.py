@@ -245,7 +245,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         """Delete the checkpoint at ``path``, waiting first if it is being written."""
         check_path(os.fspath(path), "path")
         if is_remote(path):  # every generation, marker first
-            self._engine.join(path)
+            self._engine.wait_quietly(path)
             generations = Generations(str(path), self._engine.storage_options)
             for gen in generations.names():
                 generations.delete(gen)

@@ -294,7 +294,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                 and self._session is not None:
             self._session.save_at_train_end()
         if self._session is not None:
-            self._session.settle()
+            self._session.wait_all()
         self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:

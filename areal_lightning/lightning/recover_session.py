@@ -222,7 +222,7 @@ class RecoverSession:
         self.state.tracker.untrack()
         if not self._trainer_io and not self._io_closed:
             self._io_closed = True
-            try:  # the private IO: its staging buffers and process groups (a failure was raised by settle())
+            try:  # the private IO: its staging buffers and process groups (a failure was raised by wait_all())
                 self.io.teardown()
             except BaseException as exc:  # noqa: BLE001 - close runs in teardown and after an error
                 log.error("RecoverCallback: closing the recover checkpoint IO: %s", exc)
@@ -337,7 +337,7 @@ class RecoverSession:
             return
         self.save(point)
         if decision is Save.PREEMPT:
-            self.settle()  # durable on every rank
+            self.wait_all()  # durable on every rank
             self.preemption.stop(self.trainer, self.store.ckpt_dir)
 
     def save_at_train_end(self) -> None:
@@ -470,9 +470,9 @@ class RecoverSession:
         """Until the last save is durable and published; raises its failure (rank-local)."""
         self.io.engine.wait()
 
-    def settle(self) -> None:
+    def wait_all(self) -> None:
         """Collective :meth:`wait`: a failure on any rank (rank 0 alone publishes) is raised on every rank."""
-        self.io.engine.settle("recover checkpoint in flight at the end of training")
+        self.io.engine.wait_all("recover checkpoint in flight at the end of training")
 
     def log_age(self, pl_module: Any) -> None:
         """Log ``checkpoint/recover/age_s``: seconds since the last durable recover checkpoint."""

@@ -196,7 +196,7 @@ def _tied(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def _to_hf(source: _Source, out: Path, name: str, model_attr: str | None,
            hf_config: str | os.PathLike[str] | None) -> None:
-    from areal_lightning.write.dcp import read_tensors, tensor_entries
+    from areal_lightning.write.offline import read_tensors, tensor_entries
     from areal_lightning.write.hf import write_hf
 
     model, prefix, files, max_shard = _hf_model(source, name, model_attr, hf_config)
@@ -236,7 +236,8 @@ def _positional(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _to_lightning(source: _Source, out: Path, weights_only: bool) -> None:
-    from areal_lightning.write.dcp import DCPEngine, tensor_entries
+    from areal_lightning.write.dcp import DCPEngine
+    from areal_lightning.write.offline import tensor_entries
 
     if out.exists():
         raise ConvertError(f"{out} already exists; give a new path (nothing was written)")
@@ -260,7 +261,7 @@ def _to_lightning(source: _Source, out: Path, weights_only: bool) -> None:
 
 
 def _to_dcp(source: _Source, out: Path) -> None:
-    from areal_lightning.write.dcp import write_stock_copy
+    from areal_lightning.write.offline import write_stock_copy
 
     tmp = _fresh_output(out)
     try:

@@ -5,20 +5,26 @@ Tensors are stored under their dotted path (``state_dict.layer.weight``), as a p
 "skeleton" object (the structure with each tensor replaced by a :class:`TensorSlot`: the one
 :data:`UNNAMED` slot where the tensor's key is its path, a slot naming the key otherwise), which DCP pickles into one byte item under :data:`SKELETON_KEY`. This keeps integer
 keys (optimizer ``state`` keys), empty containers and container types, which DCP's own
-flattening loses. :func:`split` makes the flat dict, :func:`fill` rebuilds the structure.
+flattening loses. :func:`flatten` makes the flat dict, :func:`unflatten` rebuilds the structure.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "UNNAMED", "SlotUnpickler", "slot_globals", "split", "fill", "flat_tensors",
+# Every module reading or writing DCP imports this one. DCP warns on every rank-local save/load
+# that it "assumes the intent" of a single process; that is exactly our intent, so this one
+# message is silenced (nothing else is).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "UNNAMED", "SlotUnpickler", "slot_globals", "flatten", "unflatten", "flat_tensors",
            "Refusal", "weights_only_refusal"]
 
 SKELETON_KEY = "__areal_lightning_skeleton__"
@@ -36,7 +42,7 @@ class TensorSlot:
 UNNAMED = TensorSlot("")
 """The slot of a tensor whose key is its path (since 0.3.0): one object for all of them, which
 the skeleton's pickle holds once and references after that (a named slot costs the weights-only
-unpickler an object per tensor). :func:`fill` names it again from where it sits."""
+unpickler an object per tensor). :func:`unflatten` names it again from where it sits."""
 
 
 SLOT_NAMES = ("areal_lightning.write.dcp_format.TensorSlot", "areal_lightning.engine._TensorSlot")
@@ -62,7 +68,7 @@ class SlotUnpickler(pickle.Unpickler):
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes)
 
 
-def split(state: Mapping[str, Any]) -> dict[str, Any]:
+def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
     """Flat DCP dict: ``{dotted path: tensor}`` plus the skeleton under ``SKELETON_KEY``.
 
     The skeleton is a point-in-time copy of every non-tensor value, taken now in the
@@ -70,7 +76,7 @@ def split(state: Mapping[str, Any]) -> dict[str, Any]:
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: tuple[str, ...], by_path: bool) -> Any:
-        # by_path: every dict key on the way is a str or an int, whose str() fill recomputes as is
+        # by_path: every dict key on the way is a str or an int, whose str() unflatten recomputes as is
         if isinstance(obj, torch.Tensor):
             base = ".".join(path)
             fqn, n = base, 1
@@ -96,27 +102,27 @@ def split(state: Mapping[str, Any]) -> dict[str, Any]:
     return {**tensors, SKELETON_KEY: skeleton}
 
 
-def fill(obj: Any, tensors: Mapping[str, torch.Tensor], path: tuple[str, ...] = ()) -> Any:
+def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor], path: tuple[str, ...] = ()) -> Any:
     """Replace every slot in a freshly loaded skeleton by its tensor (in place where possible);
     an unnamed slot (:data:`UNNAMED`) is the tensor saved under its path."""
     if isinstance(obj, TensorSlot):
         return tensors[obj.fqn or ".".join(path)]
     if isinstance(obj, dict):
         for key, value in obj.items():
-            obj[key] = fill(value, tensors, (*path, str(key)))
+            obj[key] = unflatten(value, tensors, (*path, str(key)))
         return obj
     if isinstance(obj, list):
-        obj[:] = [fill(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        obj[:] = [unflatten(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
         return obj
     if isinstance(obj, tuple):
-        items = [fill(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        items = [unflatten(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 
 def flat_tensors(template: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors of a template under the dotted paths :func:`split` would give them."""
-    flat = split(template)
+    """Tensors of a template under the dotted paths :func:`flatten` would give them."""
+    flat = flatten(template)
     flat.pop(SKELETON_KEY)
     return flat
 
@@ -149,11 +155,11 @@ def _type_name(obj: Any) -> str:
 
 
 def weights_only_refusal(state: Mapping[str, Any]) -> Refusal | None:
-    """Whether the non-tensor part of ``state`` (what :func:`split` pickles into the skeleton)
+    """Whether the non-tensor part of ``state`` (what :func:`flatten` pickles into the skeleton)
     would load under ``torch.load(weights_only=True)`` (with the types the user allowlisted);
     the first refused object otherwise. One pickle round trip of the skeleton: tensors are
     slots, so the cost does not grow with the model."""
-    skeleton = split(state)[SKELETON_KEY]
+    skeleton = flatten(state)[SKELETON_KEY]
     error = _weights_only_error(skeleton)
     if error is None:
         return None

@@ -9,7 +9,7 @@ nothing to plan. This module does those saves and loads itself, in the same on-d
 everything else (collective saves, DTensor / ShardedTensor shards, resharding loads, object
 stores) goes through DCP.
 
-* :class:`Layout`: the plan of a save, cached between saves: which file and offset each
+* :class:`ByteLayout`: the plan of a save, cached between saves: which file and offset each
   tensor goes to (every file's tensors first, the skeleton last in the first file, so a
   growing skeleton moves no tensor) and the ``Metadata`` to pickle, built once with its
   per-item records sharing equal objects (one ``TensorProperties`` per dtype, one
@@ -61,10 +61,10 @@ from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, tensor_bytes
 
-__all__ = ["Layout", "signature", "tensors_of", "save", "commit", "skeleton_bytes", "whole_reads"]
+__all__ = ["ByteLayout", "signature", "tensors_of", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
 
 SMALL = 1 << 20
-"""Tensors of fewer bytes than this share one file (see :class:`Layout`)."""
+"""Tensors of fewer bytes than this share one file (see :class:`ByteLayout`)."""
 
 _BUFFER = 1 << 20
 """Write buffer per file: small tensors are gathered into 1 MiB writes, larger ones written as they are."""
@@ -93,7 +93,7 @@ class _Item:
     info: Any  # the _StorageInfo pickled into .metadata (its checksum set by each save)
 
 
-class Layout:
+class ByteLayout:
     """Where a save puts each tensor, and the ``Metadata`` it pickles (see module doc)."""
 
     def __init__(self, key: tuple[Any, ...], thread_count: int) -> None:
@@ -157,10 +157,10 @@ def tensors_of(flat: Mapping[str, Any]) -> Callable[[Any], Any]:
     return source
 
 
-def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Layout, written: Written, *,
+def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: ByteLayout, written: Written, *,
          device: Any = None) -> None:
     """Write every tensor of ``layout`` (its bytes: ``source(item)``, e.g. :func:`tensors_of`)
-    and the pickled ``skeleton`` into the existing directory ``path`` and commit it
+    and the pickled ``skeleton`` into the existing directory ``path`` and finish it
     (``.metadata`` last), recording what was written in ``written``. A failure of any file is
     raised once every file is finished, and no ``.metadata`` is written."""
     faults = fault_enabled()
@@ -208,10 +208,10 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Layo
         written.hash_s += hash_s
     written.items = sum(len(items) for items in layout.files) + 1
 
-    commit(path, layout.metadata, written)
+    write_metadata(path, layout.metadata, written)
 
 
-def commit(path: Path, metadata: Metadata, written: Written) -> None:
+def write_metadata(path: Path, metadata: Metadata, written: Written) -> None:
     """Write ``metadata`` as the commit marker of ``path`` (tmp file, fsync, rename, directory
     fsync), between the fault points ``engine.before_commit`` and ``engine.after_commit``;
     its size and the manifest go to ``written``."""

@@ -94,7 +94,7 @@ def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
 class _Segment:
     """A shared memory segment holding one staged copy of a layout's tensors."""
 
-    def __init__(self, layout: direct.Layout) -> None:
+    def __init__(self, layout: direct.ByteLayout) -> None:
         self.places: dict[str, int] = {}
         size = 0
         for items in layout.files:
@@ -131,9 +131,9 @@ class CheckpointProcess:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._segment: _Segment | None = None
-        self._segment_layout: direct.Layout | None = None
-        self._layout: direct.Layout | None = None
-        self._sent: direct.Layout | None = None  # the layout the running child has
+        self._segment_layout: direct.ByteLayout | None = None
+        self._layout: direct.ByteLayout | None = None
+        self._sent: direct.ByteLayout | None = None  # the layout the running child has
         self._lock = threading.Lock()
 
     @property
@@ -141,17 +141,17 @@ class CheckpointProcess:
         """The checkpoint process's pid while it runs."""
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
-    def layout_for(self, flat: Mapping[str, Any]) -> direct.Layout | None:
+    def layout_for(self, flat: Mapping[str, Any]) -> direct.ByteLayout | None:
         """The layout of ``flat`` (reused while its tensors keep their keys, shapes and dtypes),
         or ``None`` when the save needs a plan (then the thread executor writes it)."""
         key = direct.signature(flat, pinned=False)
         if key is None:
             return None
         if self._layout is None or self._layout.key != key:
-            self._layout = direct.Layout(key, self.thread_count)
+            self._layout = direct.ByteLayout(key, self.thread_count)
         return self._layout
 
-    def buffers(self, layout: direct.Layout) -> dict[str, torch.Tensor]:
+    def buffers(self, layout: direct.ByteLayout) -> dict[str, torch.Tensor]:
         """The segment of ``layout`` (made on its first save), as one tensor per key to stage into."""
         if self._segment is None or self._segment_layout is not layout:
             if self._segment is not None:
@@ -240,7 +240,7 @@ def serve(fd: int) -> None:
     """The checkpoint process: write each save asked for over the socket ``fd`` until it closes."""
     _die_with_parent()
     sock = socket.socket(fileno=fd)
-    layout: direct.Layout | None = None
+    layout: direct.ByteLayout | None = None
     places: dict[str, int] = {}
     view: memoryview | None = None
     while True:
