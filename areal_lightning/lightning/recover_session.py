@@ -66,7 +66,6 @@ from areal_lightning.lightning.recover_state import (
 )
 from areal_lightning.objectstore import is_remote
 from areal_lightning.lightning.resume import (
-    ResumePlan,
     agreed_plan,
     continue_user_files,
     restore_csv_logs,
@@ -143,18 +142,15 @@ class RecoverSession:
         self.collective_timeout = collective_timeout
         self.preemption = preemption
         self.state_key = state_key  # the callback's key in the checkpoint's "callbacks"
-        self.io, self._trainer_io = recover_io(trainer, io_mode, getattr(store, "storage_options", None),
+        self.io, self._trainer_io = recover_io(trainer, io_mode, store.storage_options,
                                                async_executor)
-        self.plan: ResumePlan | None = None
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
-        self._resuming = False
         self._timer: SaveTimer | None = None  # the timing of the last save
         self._patch = Patch()
         self._checked_loadable = False
         self._waiter = False
         self._warning_filter: tuple | None = None
         self._io_closed = False
-        self._swa: list[Any] = []  # SWA callbacks started before the checkpoint loaded
 
     @property
     def ranks(self) -> Any:
@@ -189,15 +185,15 @@ class RecoverSession:
         # A resumed DDP reduces its first step with the saved buckets, as the run that saved did.
         # DDP's constructor broadcasts rank 0's parameters and buffers: what each rank loaded as its
         # own (write/replicas.py) is put back once it is built.
-        wrap_ddp_setup_model(trainer.strategy, self._patch, lambda: self.state.ddp_buckets,
+        wrap_ddp_setup_model(trainer.strategy, self._patch, lambda: self.state.pending.ddp_buckets,
                              after=lambda ddp: self._reapply_per_rank(trainer, ddp))
 
     def _reapply_per_rank(self, trainer: Any, ddp: Any) -> None:
         """Once the DDP is built: put this rank's own copies of the model's per-rank tensors, read
         by the resume, back into the module (DDP's constructor broadcast rank 0's), and let its next
         forward broadcast buffers only if the saved DDP's would have."""
-        if self.state.ddp_forward_sync is not None:  # a fresh DDP broadcasts buffers at its first forward
-            set_ddp_forward_sync(ddp, self.state.ddp_forward_sync)
+        if self.state.pending.ddp_forward_sync is not None:  # a fresh DDP broadcasts buffers at its first forward
+            set_ddp_forward_sync(ddp, self.state.pending.ddp_forward_sync)
         loaded, self.io.engine.last_per_rank = self.io.engine.last_per_rank, {}
         prefix = "state_dict."
         own = {fqn[len(prefix):]: value for fqn, value in loaded.items() if fqn.startswith(prefix)}
@@ -243,12 +239,12 @@ class RecoverSession:
                     original(checkpoint_path, weights_only)
                 self._to_live_names()
                 return None
-            plan = self.plan = agreed_plan(self.store, self.experiment, trainer, self.ranks)
+            plan = self.state.pending.plan = agreed_plan(self.store, self.experiment, trainer, self.ranks)
             if plan is None:
                 return original(None, weights_only)
             ckpt = plan.info[CHECKPOINT_INFO]
             continue_user_files(trainer, plan.info[STATS_LOGGER_INFO], ckpt["global_step"])
-            self._resuming = True
+            self.state.pending.automatic = True
             self.last_durable = _parse_time(ckpt.get("commit_time"))
             # The non-tensor state is unpickled with weights_only=True unless the user opted out
             # (hyper-parameters holding arbitrary objects; see the README's security note).
@@ -258,7 +254,7 @@ class RecoverSession:
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
             self._to_live_names()
-            self._swa = started_swa(trainer, loaded_checkpoint(trainer))
+            self.state.pending.swa = started_swa(trainer, loaded_checkpoint(trainer))
             loaded = loaded_checkpoint(trainer).get("global_step")
             if loaded != ckpt["global_step"]:
                 raise CheckpointCorruptError(
@@ -296,16 +292,16 @@ class RecoverSession:
                 by_index(opt, state, names, f"optimizer {i}")
                 for i, (opt, state) in enumerate(zip(self.trainer.optimizers, checkpoint["optimizer_states"]))]
         except ValueError as exc:
-            where = self.plan.path if self.plan is not None else "the checkpoint"
+            where = self.state.pending.plan.path if self.state.pending.plan is not None else "the checkpoint"
             raise RecoverMismatchError(f"{where}: {exc}; the optimizers of this run do not match the "
                                        f"checkpoint's, or {start_fresh(self.store.info_dir)}") from None
 
     def state_loaded(self) -> None:
         """The callback state of the checkpoint is loaded: an automatic resume writes back the
         CSV loggers' rows up to the checkpoint (Lightning's writer deleted them at setup)."""
-        if self._resuming:
-            restore_csv_logs(self.trainer, self.state.csv_logs)
-        self.state.csv_logs = {}
+        if self.state.pending.automatic:
+            restore_csv_logs(self.trainer, self.state.pending.csv_logs)
+        self.state.pending.csv_logs = {}
 
     # -- the save point ------------------------------------------------------------------
 
@@ -313,8 +309,8 @@ class RecoverSession:
         trainer = self.trainer
 
         def on_advance_end(data_fetcher: Any) -> None:
-            if self.state.pending_epoch_metrics:  # the first batch after a mid-epoch resume
-                continue_train_epoch_metrics(trainer, self.state.pending_epoch_metrics)
+            if self.state.pending.epoch_metrics:  # the first batch after a mid-epoch resume
+                continue_train_epoch_metrics(trainer, self.state.pending.epoch_metrics)
             original(data_fetcher)
             if not epoch_loop_ends(trainer):  # else the epoch's end belongs to this step
                 self._act(self.schedule.after_step(trainer.global_step, self.ranks), SavePoint.STEP_END)
@@ -326,7 +322,7 @@ class RecoverSession:
 
         def on_advance_end() -> None:
             original()
-            self.state.pending_epoch_metrics = {}
+            self.state.pending.epoch_metrics = {}
             epochs_done = self.state.position.epoch + 1
             self._act(self.schedule.after_epoch(trainer.global_step, epochs_done, self.ranks), SavePoint.EPOCH_END)
 
@@ -348,7 +344,7 @@ class RecoverSession:
 
     def _resumed_at_epoch_end(self) -> bool | None:
         """Where the checkpoint this fit resumed from was taken (``None``: not at a save point)."""
-        point, self.state.resume_point = self.state.resume_point, None
+        point, self.state.pending.save_point = self.state.pending.save_point, None
         return None if point is None else point == SavePoint.EPOCH_END.value
 
     def _train_dataloader(self, original: Callable[[], Any]) -> Callable[[], Any]:
@@ -370,15 +366,15 @@ class RecoverSession:
             # plain DataLoader "is not resumable" does not apply to this run.
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
             self._warning_filter = warnings.filters[0]
-        if self._swa and self.plan is not None and not self.plan.info[DATALOADER_INFO].get("at_epoch_boundary"):
-            resume_swa(trainer, pl_module, self._swa)  # its epoch-start hook, which Lightning skips mid-epoch
-        self._swa = []
-        if self.plan is not None and self._resuming:
-            step = StepInfo(**{k: v for k, v in self.plan.info[STEP_INFO].items() if k != "next"})
+        if self.state.pending.swa and self.state.pending.plan is not None and not self.state.pending.plan.info[DATALOADER_INFO].get("at_epoch_boundary"):
+            resume_swa(trainer, pl_module, self.state.pending.swa)  # its epoch-start hook, which Lightning skips mid-epoch
+        self.state.pending.swa = []
+        if self.state.pending.plan is not None and self.state.pending.automatic:
+            step = StepInfo(**{k: v for k, v in self.state.pending.plan.info[STEP_INFO].items() if k != "next"})
         else:
             now = step_info(trainer, self.state.position)
             step = StepInfo(now.epoch, now.epoch_step, trainer.global_step - 1, now.steps_per_epoch)
-        self._resuming = False
+        self.state.pending.automatic = False
         log.info(
             "RecoverCallback: resumed from %s after global step %d (epoch %d, step %d in epoch); restored model, "
             "%d optimizer(s), %d LR scheduler(s), loop progress, RNG, dataloader position (%s), callback states",

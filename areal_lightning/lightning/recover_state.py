@@ -11,7 +11,7 @@ rank 0's callback states only). On load it maps the loader position to another w
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from areal_lightning.lightning.bridge import is_sharded
 from areal_lightning.lightning.resume import checkpoint_files, csv_snapshots, strategy_family
 from areal_lightning.trigger import EpochPosition, FreqController, SavePoint, StepInfo
 
-__all__ = ["RecoverState", "optimizer_keys", "hf_models_of", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
+__all__ = ["RecoverState", "PendingResume", "optimizer_keys", "hf_models_of", "EvaluatorPosition", "evaluator_info", "describe", "batches_done",
            "at_epoch_boundary", "step_info"]
 
 
@@ -72,6 +72,28 @@ def step_info(trainer: Any, position: EpochPosition) -> StepInfo:
                     steps_per_epoch=per_epoch)
 
 
+@dataclass
+class PendingResume:
+    """Everything a resume has read and not applied yet, in one place: each field is set when the
+    checkpoint loads and consumed once, where Lightning's loop lets it be applied (the hook named)."""
+
+    plan: Any = None
+    """The automatic resume's :class:`~areal_lightning.lightning.resume.ResumePlan` (``None``: a
+    fresh start or an explicit ``ckpt_path``)."""
+    automatic: bool = False  # an automatic resume, until on_train_start logged it
+    save_point: str | None = None  # the checkpoint's SavePoint value (the loop continues after it)
+    ddp_buckets: list[list[int]] | None = None  # DDP's gradient buckets (when the DDP is built)
+    ddp_forward_sync: bool | None = None  # whether that DDP was to broadcast buffers at its next forward
+    stop: bool = False  # the run had been asked to stop (EarlyStopping) when it was saved
+    accumulate: int | None = None  # accumulate_grad_batches of the epoch (at the first batch)
+    rng: dict[str, Any] | None = None  # this rank's RNG states (at on_train_start)
+    remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
+    at_boundary: bool = False  # the checkpoint was taken at an epoch boundary
+    epoch_metrics: dict[str, Any] = field(default_factory=dict)  # epoch aggregates (at the first batch)
+    csv_logs: dict[str, Any] = field(default_factory=dict)  # CSVLogger files, rank 0's (once loaded)
+    swa: list[Any] = field(default_factory=list)  # SWA callbacks started before the checkpoint loaded
+
+
 class RecoverState:
     """The callback state of ``RecoverCallback`` (see the module doc)."""
 
@@ -80,16 +102,7 @@ class RecoverState:
         self.position = EpochPosition()
         self.tracker = LoaderTracker(unwrap_sampler=wrapped_sampler, fast_forward=fast_forward)
         self.evaluator = EvaluatorPosition()
-        self.resume_point: str | None = None  # the save point of the checkpoint loaded (a SavePoint value)
-        self.ddp_buckets: list[list[int]] | None = None  # DDP's gradient buckets in the checkpoint loaded
-        self.ddp_forward_sync: bool | None = None  # whether its DDP was to broadcast buffers at the next forward
-        self._pending_stop = False
-        self._pending_accumulate: int | None = None
-        self._pending_rng: dict[str, Any] | None = None
-        self._remapped: dict[str, Any] | None = None  # loader positions mapped to another world size
-        self._boundary_rng_applied = False
-        self.pending_epoch_metrics: dict[str, Any] = {}  # saved epoch aggregates not yet folded in
-        self.csv_logs: dict[str, Any] = {}  # CSVLogger files of the checkpoint loaded (rank 0's)
+        self.pending = PendingResume()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -181,7 +194,7 @@ class RecoverState:
             data = remap_position(mine["data"], old_world, world_size)
         except ValueError as exc:
             raise RecoverMismatchError(f"resharding from {old_world} to {world_size} ranks: {exc}") from None
-        self._remapped = data
+        self.pending.remapped = data
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {}).get("current")
         if not data["at_boundary"] and progress:
             done = max((int(entry["batches_done"]) for entry in data["loaders"].values()),
@@ -195,30 +208,30 @@ class RecoverState:
         self.freq.load_state_dict(state.get("freq", {}))
         self.position.load_state_dict(state)
         self.evaluator.load_state_dict(state.get("evaluator", {}))
-        self.resume_point = state.get("save_point")
-        self.ddp_buckets = state.get("ddp_buckets")
-        self.ddp_forward_sync = state.get("ddp_forward_sync")
-        self._pending_stop = bool(state.get("should_stop", False))
-        self._pending_accumulate = state.get("accumulate_grad_batches")
-        self.csv_logs = state.get("csv_logs") or {}
+        self.pending.save_point = state.get("save_point")
+        self.pending.ddp_buckets = state.get("ddp_buckets")
+        self.pending.ddp_forward_sync = state.get("ddp_forward_sync")
+        self.pending.stop = bool(state.get("should_stop", False))
+        self.pending.accumulate = state.get("accumulate_grad_batches")
+        self.pending.csv_logs = state.get("csv_logs") or {}
         state = self.own_rank_state(state, rank)
         if "rng" in state:  # a checkpoint written by RecoverCallback.save (auto-resumed or explicit)
-            data, self._remapped = self._remapped or state["data"], None
-            self._pending_rng = state["rng"]
-            self.pending_epoch_metrics = dict(state.get("epoch_metrics") or {})
-            self._boundary_rng_applied = bool(data["at_boundary"])
+            data, self.pending.remapped = self.pending.remapped or state["data"], None
+            self.pending.rng = state["rng"]
+            self.pending.epoch_metrics = dict(state.get("epoch_metrics") or {})
+            self.pending.at_boundary = bool(data["at_boundary"])
             self.tracker.load_state_dict(data, checkpoint_rng=state["rng"]["torch"])
 
     def restore_rng(self, trainer: Any) -> bool:
         """At ``on_train_start``: set the RNG states saved with the checkpoint; ``False`` when
         this start is not a resume from one of our checkpoints."""
-        rng, self._pending_rng = self._pending_rng, None
+        rng, self.pending.rng = self.pending.rng, None
         if rng is None:
             return False
-        if self._pending_stop:  # the run had been asked to stop (EarlyStopping) when it was saved
+        if self.pending.stop:  # the run had been asked to stop (EarlyStopping) when it was saved
             trainer.should_stop = True
-            self._pending_stop = False
-        if self._boundary_rng_applied and self.tracker.replayed:
+            self.pending.stop = False
+        if self.pending.at_boundary and self.tracker.replayed:
             # The next epoch's iterator was created from the saved torch RNG state already.
             rng = {**rng, "torch": torch.get_rng_state()}
         restore_rng(rng)
@@ -230,8 +243,8 @@ class RecoverState:
         the epoch's ``on_train_epoch_start`` hooks had set (``GradientAccumulationScheduler``;
         Lightning does not run them again mid-epoch, and the scheduler's own ``on_train_start``
         requires the Trainer's value untouched until then)."""
-        pending, self._pending_accumulate = self._pending_accumulate, None
-        if pending is not None and not self._boundary_rng_applied:
+        pending, self.pending.accumulate = self.pending.accumulate, None
+        if pending is not None and not self.pending.at_boundary:
             trainer.accumulate_grad_batches = int(pending)
 
 

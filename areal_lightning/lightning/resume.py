@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import shutil
