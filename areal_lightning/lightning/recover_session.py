@@ -200,8 +200,8 @@ class RecoverSession:
         if not own:
             return
         live = trainer.lightning_module.state_dict()
-        with torch.no_grad():
-            for key, value in own.items():
+        with torch.no_grad():  # saved under plain names; live ones may carry torch.compile's _orig_mod.
+            for key, value in live_names(own, live.keys()).items():
                 if key in live:
                     live[key].copy_(value)
 

@@ -78,16 +78,30 @@ class BNNet(pl.LightningModule):
         return self.net(torch.linspace(-2, 2, 8 * 6).reshape(6, 8))
 
 
+class Critic(nn.Module):
+    """A value network that keeps an EMA of its own (per-rank) value estimates in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.register_buffer("value_ema", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 class ActorCritic(pl.LightningModule):
     """Manual optimization; each rank samples its own rollouts (its generator is seeded by rank)
-    and keeps them and its reward statistics in registered buffers nothing synchronizes."""
+    and keeps them and its reward statistics in registered buffers nothing synchronizes (also one
+    inside the critic, which ``compile_critic`` wraps in ``torch.compile``)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, compile_critic: bool = False) -> None:
         super().__init__()
         self.root = root
         self.automatic_optimization = False
         self.actor = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-        self.critic = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        critic = Critic()
+        self.critic = torch.compile(critic, backend="eager") if compile_critic else critic
         self.register_buffer("experience", torch.zeros(32, 8))
         self.register_buffer("filled", torch.zeros((), dtype=torch.long))
         self.register_buffer("reward_mean", torch.zeros(()))
@@ -114,8 +128,10 @@ class ActorCritic(pl.LightningModule):
             self.filled += 1
         self.reward_metric.update(reward)
         replay = torch.cat([states, self.experience[:4]])
-        advantage = ((reward - self.reward_mean) / self.reward_var.sqrt()).detach()
+        advantage = ((reward - self.reward_mean - self.critic.value_ema) / self.reward_var.sqrt()).detach()
         value = self.critic(replay).squeeze(-1)
+        with torch.no_grad():
+            self.critic.value_ema.mul_(0.9).add_(0.1 * value.mean())
         critic_loss = nn.functional.mse_loss(value[: len(reward)], advantage)
         critic_opt.zero_grad()
         self.manual_backward(critic_loss)
@@ -153,9 +169,10 @@ def main() -> None:
     p.add_argument("--freq-steps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw")
+    p.add_argument("--compile-critic", action="store_true")
     args = p.parse_args()
     pl.seed_everything(0, verbose=False)
-    model = BNNet(args.root, args.optimizer) if args.model == "bn" else ActorCritic(args.root)
+    model = BNNet(args.root, args.optimizer) if args.model == "bn" else ActorCritic(args.root, args.compile_critic)
     callbacks: list = [Final(), RecoverCallback(fileroot=str(args.root), experiment_name="e", trial_name="t",
                                                 freq_steps=args.freq_steps)]
     if args.kill_at_step is not None:
