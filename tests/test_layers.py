@@ -4,7 +4,8 @@ A checkpoint flows one way: trigger -> capture -> stage -> write -> commit. Each
 imports only the foundation modules beside the stages, its own folder and the stages before it;
 ``hf_export.py`` composes the stages, ``lightning/`` (the glue) sits above them and ``tools/``
 on top. Imports are read at every depth (inside functions too, and the lazy re-exports of
-``areal_lightning/__init__.py``, which name their modules in strings); ``if TYPE_CHECKING:``
+``areal_lightning/__init__.py``, which name their modules in a table of strings, and
+``importlib.import_module`` calls); ``if TYPE_CHECKING:``
 blocks are not imports at run time. No import cycle at any depth. A private name of torch,
 Lightning, transformers or peft (or of the standard library) is spelled only in the two adapter
 modules, attribute accesses, imports and strings (``getattr(x, "_name")``) alike.
@@ -81,9 +82,11 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, in
                 here = name.split(".") if is_package else name.split(".")[:-1]
                 base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
-                and node.value in known:
-            targets = [node.value]  # importlib.import_module("areal_lightning.x") (lazy re-exports)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) \
+                == "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+            targets = [node.args[0].value]  # importlib.import_module("areal_lightning.x")
+        elif isinstance(node, ast.Dict):  # a lazy re-export table {name: "areal_lightning.x"}
+            targets = [v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
         found += [(t, node.lineno) for t in targets if t in known and t != name]
     return found
 
@@ -165,7 +168,7 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
         (pkg / folder / "__init__.py").write_text("")
     (pkg / "capture" / "a.py").write_text("def f():\n    from areal_lightning.commit import b\n")
     (pkg / "commit" / "b.py").write_text("from areal_lightning.capture.a import f\n")
-    (pkg / "lightning" / "c.py").write_text("import importlib\nM = 'areal_lightning.lightning.d'\n")
+    (pkg / "lightning" / "c.py").write_text("import importlib\nM = importlib.import_module('areal_lightning.lightning.d')\n")
     (pkg / "lightning" / "d.py").write_text("from . import c\n")
     graph = import_graph(pkg)
     assert layer_violations(graph) == [
@@ -256,14 +259,15 @@ def test_the_string_check_catches_a_private_name_in_getattr(code: str, tmp_path:
 # Raises of built-in exceptions that stay built-in, and why (none reaches a user as such).
 BUILTIN_RAISES = {
     ("__init__.py", "AttributeError"): "the module __getattr__ protocol of the lazy re-exports",
-    ("tools/certify.py", "AttributeError"): "the module __getattr__ protocol",
-    ("tools/demo.py", "AttributeError"): "the module __getattr__ protocol",
+    ("tools/certify/__init__.py", "AttributeError"): "the module __getattr__ protocol",
+    ("tools/demo/__init__.py", "AttributeError"): "the module __getattr__ protocol",
     ("capture/loader.py", "ValueError"): "remap_position: caught by RecoverState and raised as RecoverMismatchError",
     ("capture/optimizer_names.py", "ValueError"): "by_index: caught by the session, raised as RecoverMismatchError",
     ("capture/loader.py", "RuntimeError"): "an internal invariant (a position asked for before the first batch)",
     ("commit/atomic.py", "ValueError"): "AtomicDir's invariants on names the package builds itself",
     ("config.py", "ValueError"): "parse_signals: caught three lines below and raised as ConfigError",
-    ("tools/certify.py", "ValueError"): "read_losses: caught by certify and reported in its table",
+    ("tools/losses.py", "ValueError"): "read_losses: caught by certify and reported in its table",
+    ("tools/losses.py", "AttributeError"): "the module __getattr__ protocol",
     ("namespaces.py", "ImportError"): "neither lightning.pytorch nor pytorch_lightning is installed (an install error)",
     ("write/process.py", "EOFError"): "the checkpoint process's pipe closed: caught and raised as CheckpointWriteError",
     ("write/raw.py", "ValueError"): "tensor_bytes' precondition (the package stages to contiguous CPU tensors first)",

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from areal_lightning.errors import AreaLightningError, InspectUsageError, start_fresh
+from areal_lightning.errors import InspectUsageError, start_fresh
 from areal_lightning.layout import (
     CHECKPOINT_INFO,
     COMMIT_MARKER,

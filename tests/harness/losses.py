@@ -1,15 +1,15 @@
 """The loss log of the test scripts: one JSON line per optimizer step, ``{"step", "loss"}``
 (``loss`` as ``float.hex()``, bitwise comparable; other keys such as ``"pid"`` or ``"rank"`` may
 follow), appended with one write per line, so a SIGKILL never leaves half a line. It is the
-format of ``areal_lightning.tools.certify.record_loss``, and these readers are built on its
-``read_losses``."""
+format of :mod:`areal_lightning.tools.losses` (``certify`` and the demo write it too), and
+these readers are built on its ``read_losses``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from areal_lightning.tools.certify import read_losses
+from areal_lightning.tools.losses import read_losses
 
 
 def step_losses(path: str | Path) -> dict[int, set[str]]:
