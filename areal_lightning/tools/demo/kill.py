@@ -111,7 +111,7 @@ class _Worker:
         if pause_at is not None:
             env[PAUSE_ENV] = str(pause_at)
         # The worker imports the same areal_lightning as this process, wherever it was found.
-        pkg_root = str(Path(__file__).resolve().parents[2])
+        pkg_root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         with open(self.log_path, "ab") as logf:
