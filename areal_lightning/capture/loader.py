@@ -44,6 +44,7 @@ import collections
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -133,15 +134,16 @@ class _TrackedSampler:
         return len(self._inner)
 
     def __iter__(self) -> Iterator[Any]:
-        streams = self._tracker._directives.pop(self._index, None)
-        skip = self._tracker._sampler_skip.pop(self._index, None)
+        rec = self._tracker.record(self._index)
+        streams, rec.directives = rec.directives, None
+        skip, rec.sampler_skip = rec.sampler_skip, None
         batches = self._fast_forward(*skip) if skip is not None else self._draw()
         if streams is None:
-            self._tracker._directed.pop(self._index, None)
+            rec.directed = None
             yield from batches
             return
         # The first batch each worker gets carries its random stream's state (worker_rng).
-        directed = self._tracker._directed[self._index] = {}
+        directed = rec.directed = {}
         for j, batch in enumerate(batches):
             state = streams[j] if j < len(streams) else None
             if state is not None and isinstance(batch, list):
@@ -158,7 +160,7 @@ class _TrackedSampler:
         first = next(indices, _END)
         if first is _END:
             return
-        self._tracker._first_rng[self._index] = state
+        self._tracker.record(self._index).first_rng = state
         yield first
         yield from indices
 
@@ -167,7 +169,7 @@ class _TrackedSampler:
         Under torch's own ``BatchSampler`` the ``count * batch_size`` indices are dropped from
         its sampler and the rest batched here as ``BatchSampler`` does (3x faster: no batch
         lists are built for the dropped part)."""
-        self._tracker._first_rng[self._index] = first_rng
+        self._tracker.record(self._index).first_rng = first_rng
         start = time.perf_counter()
         plain_batches = type(self._inner) is BatchSampler
         current = torch.get_rng_state()
@@ -295,9 +297,9 @@ class _TrackedIterator:
         if not self._started:
             self._started = True
             if self._first_rng is not None:
-                self._tracker._first_rng[self._index] = self._first_rng
+                self._tracker.record(self._index).first_rng = self._first_rng
             elif self._record_rng:
-                self._tracker._first_rng[self._index] = torch.get_rng_state()
+                self._tracker.record(self._index).first_rng = torch.get_rng_state()
             if self._replay:
                 self._replay_batches()
         if self._dataset is not None:
@@ -314,14 +316,15 @@ class _TrackedIterator:
         batch = next(self._inner)
         if isinstance(batch, WorkerBatch):
             at = self._received
-            last = self._tracker._worker_after.setdefault(self._index, {})
-            directed = self._tracker._directed.get(self._index, {}).get(at - self._start)
+            rec = self._tracker.record(self._index)
+            last = rec.worker_after
+            directed = (rec.directed or {}).get(at - self._start)
             # The state before this batch: the worker's report (its first batch), the directive
             # it carried, or the state after the same worker's previous batch.
             self.before[at] = batch.before if batch.before is not None else \
                 directed if directed is not None else last.get(batch.worker)
             self.after[at] = last[batch.worker] = batch.after
-            self._tracker._stream_after.setdefault(self._index, {})[at % self.workers] = batch.after
+            self._tracker.record(self._index).stream_after[at % self.workers] = batch.after
             for old in [k for k in self.before if k < at - 2 * self.workers - self._KEEP]:
                 self.before.pop(old, None)
                 self.after.pop(old, None)
@@ -351,7 +354,7 @@ class _TrackedIterator:
         finally:
             torch.set_rng_state(training_rng)
         took = time.perf_counter() - start
-        reason = self._tracker._replay_reason.get(self._index, "fast_forward='replay'")
+        reason = self._tracker.record(self._index).replay_reason or "fast_forward='replay'"
         self._tracker._note(self._index, f"replayed {self._replay} trained batches through the dataset in "
                                          f"{took:.2f}s (it cannot skip at the sampler: {reason})")
 
@@ -406,6 +409,27 @@ def _has_state(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+@dataclass
+class TrackedLoader:
+    """What :class:`LoaderTracker` keeps for one train loader."""
+
+    loader: Any = None  # the object Lightning iterates (None once the fit ended)
+    iterator: Any = None  # its current iterator
+    pending: dict[str, Any] | None = None  # the saved position its next iterator restores
+    first_rng: torch.Tensor | None = None  # torch's RNG state at the epoch order's first draw
+    iter_rng: torch.Tensor | None = None  # torch's RNG state when the iterator was made
+    iter_gen: torch.Tensor | None = None  # the sampler's own generator state then
+    sampler_skip: tuple[int, torch.Tensor] | None = None  # (batches, first_rng) the next iterator skips
+    replay_reason: str | None = None  # why the skipped batches are replayed (the log line)
+    directives: list[Any] | None = None  # stream states for the next iterator's first batches
+    directed: dict[int, Any] | None = None  # batch j of the iterator -> its directive state
+    stream_after: dict[int, Any] = field(default_factory=dict)  # stream -> state after its latest batch
+    worker_after: dict[int, Any] = field(default_factory=dict)  # worker id -> state after its latest batch
+    initial: list[Any] | None = None  # per worker id: the stream state its workers start from
+    rotated: bool = False  # a persistent loader whose workers carry other streams than their ids
+    spare_base_seed: bool = False  # see _make_iterator
+
+
 class LoaderTracker:
     """Tracks the train loaders of one run and restores their position after a resume.
 
@@ -421,23 +445,20 @@ class LoaderTracker:
         if fast_forward not in FAST_FORWARD_MODES:
             raise ConfigError("fast_forward", f"unknown mode {fast_forward!r}; allowed: {', '.join(FAST_FORWARD_MODES)}")
         self.fast_forward = fast_forward
-        self._sampler_skip: dict[int, tuple[int, torch.Tensor]] = {}
-        self._replay_reason: dict[int, str] = {}
         self._unwrap_sampler = unwrap_sampler
-        self._iters: dict[int, Any] = {}
-        self._first_rng: dict[int, torch.Tensor] = {}
-        self._iter_rng: dict[int, torch.Tensor] = {}
-        self._iter_gen: dict[int, torch.Tensor] = {}
-        self._loaders: dict[int, Any] = {}
-        self._pending: dict[int, dict[str, Any]] = {}
+        self._records: dict[int, TrackedLoader] = {}  # by loader index
         self.replayed: list[str] = []
-        self._directives: dict[int, list[Any]] = {}  # loader -> stream states for its next iterator's first batches
-        self._stream_after: dict[int, dict[int, Any]] = {}  # loader -> stream -> state after its latest batch
-        self._rotated: set[int] = set()  # persistent loaders whose workers carry other streams than their ids
-        self._spare_base_seed: set[int] = set()  # see _make_iterator
-        self._directed: dict[int, dict[int, Any]] = {}  # loader -> batch j of its iterator -> directive state
-        self._initial: dict[int, list[Any]] = {}  # loader -> per worker id: the stream state its workers start from
-        self._worker_after: dict[int, dict[int, Any]] = {}  # loader -> worker id -> state after its latest batch
+
+    def record(self, index: int) -> "TrackedLoader":
+        """What the tracker keeps for the ``index``-th train loader (made empty on first use)."""
+        rec = self._records.get(index)
+        if rec is None:
+            rec = self._records[index] = TrackedLoader()
+        return rec
+
+    def _tracked(self) -> list[tuple[int, "TrackedLoader"]]:
+        """The loaders tracked in this fit, by index."""
+        return [(i, rec) for i, rec in sorted(self._records.items()) if rec.loader is not None]
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -450,26 +471,32 @@ class LoaderTracker:
             cls = cls.__mro__[1]
         # One subclass per loader; its class attributes survive Lightning re-instantiating
         # the loader (DistributedSampler injection builds a new object of the same class).
-        pending = self._pending.get(index)
+        pending = self.record(index).pending
         if pending is not None:  # raised here, before Lightning iterates (its teardown would mask it)
             _check_loader(loader, index, pending)
         sub = _resumable_subclass(cls)
         sub._areal_tracker = self
         sub._areal_index = index
         swap_class(loader, sub)
-        self._loaders[index] = loader
+        self.record(index).loader = loader
         return loader
+
+    def _take_initial(self, index: int) -> list[Any] | None:
+        rec = self.record(index)
+        initial, rec.initial = rec.initial, None
+        return initial
 
     def untrack(self) -> None:
         """Give every tracked loader its own class back and let go of their iterators: an
         iterator kept here would keep its worker processes running after ``fit`` (Lightning
         ends them by dropping its last reference) and leave them to the garbage collector."""
-        for loader in self._loaders.values():
+        for _, rec in self._tracked():
+            loader = rec.loader
             cls = type(loader)
             if cls.__dict__.get("_areal_resumable", False):
                 swap_class(loader, cls.__mro__[1])
-        self._loaders = {}
-        self._iters = {}
+        for rec in self._records.values():
+            rec.loader = rec.iterator = None
 
     def streams_apply(self, loader: Any) -> bool:
         """Whether ``loader``'s worker random streams are captured and restored: map-style,
@@ -490,10 +517,10 @@ class LoaderTracker:
         index = type(loader)._areal_index
         user = loader.collate_fn, loader.worker_init_fn, loader.generator
         if self.streams_apply(loader):
-            hooks = WorkerHooks(loader.collate_fn, loader.worker_init_fn, self._initial.pop(index, None))
+            hooks = WorkerHooks(loader.collate_fn, loader.worker_init_fn, self._take_initial(index))
             loader.collate_fn, loader.worker_init_fn = hooks.collate, hooks.init
-        if index in self._spare_base_seed:
-            self._spare_base_seed.discard(index)
+        if self.record(index).spare_base_seed:
+            self.record(index).spare_base_seed = False
             loader.generator = torch.Generator().manual_seed(0)  # the workers' streams are set at their start
         try:
             return make()
@@ -511,9 +538,10 @@ class LoaderTracker:
         counts from its latest ``iter()``.
         """
         loaders = {}
-        for index, loader in self._loaders.items():
+        for index, rec in self._tracked():
+            loader = rec.loader
             stateful = restores_itself(loader)
-            iterator = self._iters.get(index)
+            iterator = rec.iterator
             position = getattr(iterator, "position", None)
             done = position - prefetched if isinstance(position, int) else batches_done
             entry: dict[str, Any] = {"stateful": stateful, "batches_done": done,
@@ -526,12 +554,12 @@ class LoaderTracker:
             if not at_boundary and not stateful and done in states:
                 entry["dataset_state"] = states[done]  # the IterableDataset before its first untrained batch
             if not at_boundary and not stateful:
-                if index not in self._iter_rng or index not in self._first_rng:
+                if rec.iter_rng is None or rec.first_rng is None:
                     raise RuntimeError("internal: train loader position requested before its first batch")
-                entry["iter_rng"] = self._iter_rng[index]
-                entry["first_rng"] = self._first_rng[index]
-                if index in self._iter_gen:  # the sampler's own generator, as this epoch began
-                    entry["sampler_generator"] = self._iter_gen[index]
+                entry["iter_rng"] = rec.iter_rng
+                entry["first_rng"] = rec.first_rng
+                if rec.iter_gen is not None:  # the sampler's own generator, as this epoch began
+                    entry["sampler_generator"] = rec.iter_gen
             gen = _sampler_generator(loader, self._unwrap_sampler)
             if at_boundary and gen is not None:
                 entry["sampler_generator"] = gen.get_state()
@@ -554,7 +582,7 @@ class LoaderTracker:
         if at_boundary:
             if not loader.persistent_workers:
                 return None
-            latest = self._stream_after.get(index, {})
+            latest = self.record(index).stream_after
             return [to_saved(latest[s]) if latest.get(s) is not None else None for s in range(workers)]
         if not is_stateful_loader(loader):
             # A StatefulDataLoader's fresh workers start from their original seeds (it restores its
@@ -567,7 +595,7 @@ class LoaderTracker:
             if state is None and k - workers >= 0:  # the epoch ends before it: after the stream's last batch
                 state = iterator.after.get(k - workers)
             if state is None and loader.persistent_workers:
-                state = self._stream_after.get(index, {}).get(s)
+                state = self.record(index).stream_after.get(s)
             out.append(to_saved(state) if state is not None else None)
         return out
 
@@ -577,7 +605,8 @@ class LoaderTracker:
         ``checkpoint_rng`` is the torch RNG state saved with the checkpoint: at an epoch
         boundary the next epoch's iterator is created from it.
         """
-        self._pending = {}
+        for rec in self._records.values():
+            rec.pending = None
         for key, entry in state.get("loaders", {}).items():
             common = {"batch_size": entry.get("batch_size"), "sampler_epoch": entry.get("sampler_epoch"),
                       "num_workers": entry.get("num_workers"), "worker_streams": entry.get("worker_streams"),
@@ -585,10 +614,10 @@ class LoaderTracker:
                       "done": 0 if state["at_boundary"] else int(entry["batches_done"]),
                       "at_boundary": bool(state["at_boundary"])}
             if state["at_boundary"]:
-                self._pending[int(key)] = {**common, "rng": checkpoint_rng, "skip": 0,
+                self.record(int(key)).pending = {**common, "rng": checkpoint_rng, "skip": 0,
                                            "sampler_generator": entry.get("sampler_generator")}
             elif not entry["stateful"]:
-                self._pending[int(key)] = {**common, "rng": entry["iter_rng"], "first_rng": entry["first_rng"],
+                self.record(int(key)).pending = {**common, "rng": entry["iter_rng"], "first_rng": entry["first_rng"],
                                            "skip": int(entry["batches_done"]),
                                            "sampler_generator": entry.get("sampler_generator"),
                                            "dataset_state": entry.get("dataset_state")}
@@ -596,13 +625,14 @@ class LoaderTracker:
                 # The loader's own state, as Lightning saved it. Lightning restores it too, except
                 # when configure_optimizers built the loader early (estimated_stepping_batches,
                 # Lightning issue #20550); loading the same state twice is harmless.
-                self._pending[int(key)] = {**common, "rng": None, "skip": 0, "loader_state": entry.get("loader_state")}
+                self.record(int(key)).pending = {**common, "rng": None, "skip": 0, "loader_state": entry.get("loader_state")}
 
     # -- the iterator ----------------------------------------------------------------------
 
     def _iterate(self, loader: Any, index: int, make_iter: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-        self._loaders[index] = loader  # the object Lightning iterates (it may have re-created it)
-        pending = self._pending.pop(index, None)
+        rec = self.record(index)
+        rec.loader = loader  # the object Lightning iterates (it may have re-created it)
+        pending, rec.pending = rec.pending, None
         gen = _sampler_generator(loader, self._unwrap_sampler)
         if pending is not None:
             _check_loader(loader, index, pending)
@@ -620,11 +650,11 @@ class LoaderTracker:
             gen_state = pending.get("sampler_generator")
             if gen_state is not None and gen is not None:
                 gen.set_state(gen_state.to(torch.uint8))
-        self._iter_rng[index] = torch.get_rng_state()
+        rec.iter_rng = torch.get_rng_state()
         if gen is not None:
-            self._iter_gen[index] = gen.get_state()
-        self._first_rng.pop(index, None)
-        self._sampler_skip.pop(index, None)
+            rec.iter_gen = gen.get_state()
+        rec.first_rng = None
+        rec.sampler_skip = None
         iterable = isinstance(loader.dataset, IterableDataset)
         # An IterableDataset iterated in this process (no workers) with state_dict: its state is
         # kept per fetch, and restored instead of replaying its batches.
@@ -638,27 +668,27 @@ class LoaderTracker:
             dataset.load_state_dict(pending["dataset_state"])
             offset, what = skip, f"its IterableDataset's state after {skip} trained batches restored"
         elif skip and not iterable and self.fast_forward == "sampler" and not is_stateful_loader(loader):
-            self._sampler_skip[index] = (skip, pending["first_rng"])
+            rec.sampler_skip = (skip, pending["first_rng"])
             offset, what = skip, f"skips {skip} trained batches at the sampler"
         elif skip:
             replay, what = skip, f"replays {skip} trained batches"
-            self._replay_reason[index] = (
+            rec.replay_reason = (
                 "a StatefulDataLoader whose sampler Lightning wrapped" if is_stateful_loader(loader) and not iterable
                 else "fast_forward='replay'" if not iterable else
                 "an IterableDataset without state_dict/load_state_dict" if not _has_state(loader.dataset) else
                 "its IterableDataset runs in worker processes; a StatefulDataLoader keeps their state")
-        if pending is None and index in self._rotated and self.streams_apply(loader):
+        if pending is None and rec.rotated and self.streams_apply(loader):
             # Persistent workers of a resumed process carry the streams of other workers: each
             # epoch's first batches give every worker its own stream's state back.
-            latest = self._stream_after.get(index, {})
-            self._directives[index] = [latest.get(s) for s in range(loader.num_workers)]
+            latest = rec.stream_after
+            rec.directives = [latest.get(s) for s in range(loader.num_workers)]
         # A stateful loader over an unsized dataset: Lightning fetches a batch ahead, which its own
         # state_dict at save time would count as consumed; its state from before each fetch is kept.
         ahead = loader if is_stateful_loader(loader) and iterable and not _has_len(loader) else None
         iterator = _TrackedIterator(make_iter(), self, index, offset=offset, replay=replay,
                                     first_rng=pending["first_rng"] if replay else None, dataset=dataset,
                                     record_rng=iterable or is_stateful_loader(loader), stateful_loader=ahead)
-        self._iters[index] = iterator
+        rec.iterator = iterator
         if self.streams_apply(loader):
             iterator.workers = loader.num_workers
         if pending is not None:
@@ -672,7 +702,7 @@ class LoaderTracker:
         """Before a resumed iterator: the stream state each new worker starts from (and, for
         persistent workers, what later epochs need); a spare base seed after an epoch end."""
         if pending.get("at_boundary") and getattr(loader, "persistent_workers", False) and loader.num_workers > 0:
-            self._spare_base_seed.add(index)
+            self.record(index).spare_base_seed = True
         workers = getattr(loader, "num_workers", 0)
         streams = pending.get("worker_streams")
         if not streams or not self.streams_apply(loader):
@@ -682,16 +712,16 @@ class LoaderTracker:
         # A StatefulDataLoader hands batch done to worker done % W itself: worker w takes stream w.
         rotation = 0 if is_stateful_loader(loader) else done % workers
         first = [streams[(rotation + w) % workers] for w in range(workers)]
-        self._initial[index] = [from_saved(d) if d is not None else None for d in first]
+        self.record(index).initial = [from_saved(d) if d is not None else None for d in first]
         if loader.persistent_workers:
-            self._stream_after[index] = {s: from_saved(d) for s, d in enumerate(streams) if d is not None}
+            self.record(index).stream_after = {s: from_saved(d) for s, d in enumerate(streams) if d is not None}
             if rotation:
-                self._rotated.add(index)
+                self.record(index).rotated = True
 
     def loader_state(self, index: int, loader: Any, batches_done: int) -> Any:
         """A stateful loader's own state at its position ``batches_done``: the one kept from
         before that batch's fetch when the loader was read ahead, else ``loader.state_dict()``."""
-        kept = getattr(self._iters.get(index), "loader_states", {})
+        kept = getattr(self.record(index).iterator, "loader_states", {})
         return kept[batches_done] if batches_done in kept else loader.state_dict()
 
     def _note(self, index: int, what: str) -> None:
