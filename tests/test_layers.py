@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_internals import _defined_names
+
 PACKAGE = Path(__file__).resolve().parents[1] / "areal_lightning"
 
 FOUNDATION = ("errors", "version", "namespaces", "_torch_internals", "_fault", "objectstore", "layout", "telemetry",
@@ -203,21 +205,10 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def own_names(trees: dict[Path, ast.AST]) -> set[str]:
-    """What the package defines itself (functions, classes, variables, arguments, attributes
-    set on its own objects, its module names); ``_areal*`` attributes are its marks on others'."""
-    names: set[str] = {path.stem for path in trees}
-    for tree in trees.values():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
-                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                names.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                names.add(node.id)
-            elif isinstance(node, ast.arg):
-                names.add(node.arg)
-    return names
+    """What the package defines itself (test_internals' guard: functions, classes, variables,
+    arguments, attributes set on its own objects) and its module names; ``_areal*`` attributes
+    are its marks on others' objects."""
+    return _defined_names(trees) | {path.stem for path in trees}
 
 
 def private_strings(trees: dict[Path, ast.AST], root: Path = PACKAGE) -> list[str]:
