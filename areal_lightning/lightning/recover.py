@@ -332,8 +332,9 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
     # -- actions -------------------------------------------------------------------------
 
     def save(self, trainer: "pl.Trainer") -> None:
-        """Write a recover checkpoint of the current state now (also used by the triggers);
-        collective: every rank calls it."""
+        """Write a recover checkpoint of the current state now, from a hook or a callback during
+        ``fit`` (the triggers save at the save point after each step by themselves); collective:
+        every rank calls it."""
         if self._session is None:
             raise UsageError("RecoverCallback.save is for use during trainer.fit (from a hook or a callback), "
                              "where every rank calls it; it was called outside fit")
