@@ -4,6 +4,7 @@
 
     AreaLightningError
     ├── ConfigError            (also a ValueError)   a setting is invalid; names the field and the allowed values
+    │   └── ConfigTypeError    (also a TypeError)    ... a setting of the wrong type (where a TypeError was raised)
     ├── CheckpointCorruptError (also a RuntimeError) a checkpoint on disk is incomplete, altered or foreign
     ├── CheckpointWriteError   (also a RuntimeError) a save (or its background job) failed; names the path
     │   └── RankFailure                              another rank failed or did not arrive in time
@@ -28,6 +29,7 @@ from __future__ import annotations
 __all__ = [
     "AreaLightningError",
     "ConfigError",
+    "ConfigTypeError",
     "CheckpointCorruptError",
     "CheckpointWriteError",
     "RankFailure",
@@ -54,6 +56,11 @@ class ConfigError(AreaLightningError, ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         self.field = field_name
         super().__init__(f"{field_name}: {message}")
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration value of the wrong type (``map_location``, ``model_attr``): a
+    :class:`ConfigError` that is also the ``TypeError`` these raised before."""
 
 
 class CheckpointCorruptError(AreaLightningError, RuntimeError):

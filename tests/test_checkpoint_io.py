@@ -182,7 +182,7 @@ def test_argument_validation() -> None:
     assert io.mode == "auto" and io.resolved_mode == "async"
     with pytest.raises(ConfigError, match="storage_options: expected a mapping"):
         io.save_checkpoint({}, "unused", storage_options=["endpoint_url"])
-    with pytest.raises(ConfigError, match="map_location"):
+    with pytest.raises(TypeError, match="map_location"):
         io.load_checkpoint("unused", map_location=lambda storage, loc: storage)
 
 

@@ -221,6 +221,9 @@ def test_trainer_save_checkpoint_with_dcp_io_writes_every_rank_and_resumes(tmp_p
     proc = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--strategy", strategy,
                            "--io-mode", io_mode], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):  # a path of an unsupported scheme: refused on every rank, no folder "hdfs:"
+        assert "path: 'hdfs://namenode/ckpt'" in (tmp_path / f"refused.rank{rank}").read_text()
+    assert not (tmp_path / "hdfs:").exists()
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert ".metadata" in files and any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files)
     _equal(torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt"))

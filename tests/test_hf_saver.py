@@ -142,7 +142,7 @@ def test_tokenizer_argument_wins_and_callable_model_attr(tmp_path, tokenizer) ->
 
 def test_wrong_model_attr_fails_before_training(tmp_path) -> None:
     module = LMModule(tiny_llama())
-    for attr, error, words in (("backbone", ConfigError, "model_attr: .*has no attribute 'backbone'"),
+    for attr, error, words in (("backbone", TypeError, "model_attr: .*has no attribute 'backbone'"),
                                ("lr", UnsupportedModelError, "not a transformers.PreTrainedModel")):
         cb = saver(tmp_path, model_attr=attr, freq_steps=1)
         with pytest.raises(error, match=words):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from areal_lightning._torch_internals import HF_INSTANCE_STATE, WRAPPER_SEGMENTS
-from areal_lightning.errors import CheckpointWriteError, UnsupportedModelError
+from areal_lightning.errors import CheckpointWriteError, ConfigError
 
 __all__ = ["is_sharded", "export_state_dict", "gather_to_host", "fsdp1_root", "fsdp1_state", "meta_twin", "split_for_dcp"]
 
@@ -112,7 +112,8 @@ def _prefix_in(root: torch.nn.Module, model: torch.nn.Module) -> str:
         if module is model:
             clean = ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
             return f"{clean}." if clean else ""
-    raise UnsupportedModelError(f"{type(model).__name__} is not a submodule of the FSDP-wrapped {type(root).__name__}")
+    raise ConfigError("model_attr", f"{type(model).__name__} is not a submodule of the FSDP-wrapped "
+                      f"{type(root).__name__}")
 
 
 @torch.no_grad()

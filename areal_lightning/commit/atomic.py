@@ -82,7 +82,7 @@ class CommitPoints:
 
 @runtime_checkable
 class CommitTarget(Protocol):
-    """What a writer fills and how it is committed (``DCPCheckpointIO``'s ``storage_options``):
+    """What a writer fills and how it is committed (the argument of ``DCPCheckpointIO.write``):
     :class:`AtomicDir`, the recover checkpoint's pair commit, or on an object store (``str``
     URIs) a generation committed by its marker (:mod:`areal_lightning.commit.generations`)."""
 

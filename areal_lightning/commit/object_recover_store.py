@@ -70,7 +70,7 @@ class ObjectRecoverStore:
         """Requests retried so far in this process."""
         return retries()
 
-    def record_hf_models(self, entries: list[Any]) -> dict[str, Any] | None:
+    def record_hf_models(self, entries: Any) -> dict[str, Any] | None:
         """Not recorded on object stores (``convert --to hf`` reads a downloaded trial)."""
         return None
 

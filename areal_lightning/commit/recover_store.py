@@ -167,8 +167,9 @@ class RecoverStorage(Protocol):
         """A unique name for one save."""
         ...
 
-    def record_hf_models(self, entries: list[Any]) -> dict[str, Any] | None:
-        """``checkpoint_info.json``'s ``hf_models`` for a save now (rank 0); ``None``: not recorded."""
+    def record_hf_models(self, entries: Callable[[], list[Any]]) -> dict[str, Any] | None:
+        """``checkpoint_info.json``'s ``hf_models`` for a save now (rank 0), of the models
+        ``entries()`` gives; ``None``: not recorded (``entries`` not called)."""
         ...
 
     def target(self, gen: str, info: dict[str, dict[str, Any]],
@@ -214,7 +215,9 @@ class RecoverStore:
     # -- the trial ----------------------------------------------------------------------
 
     def claim(self, rank: int) -> None:
-        """Rank 0 takes the trial lock (:class:`TrialLock`)."""
+        """Rank 0 takes the trial lock (:class:`TrialLock`); what was recorded of the HF models
+        is looked at afresh in this fit."""
+        self._hf_meta = None
         if rank == 0:
             self._lock = TrialLock(self.layout.trial_dir)
             self._lock.acquire()
@@ -234,12 +237,12 @@ class RecoverStore:
         """A file system retries nothing."""
         return None
 
-    def record_hf_models(self, entries: list[Any]) -> dict[str, Any] | None:
+    def record_hf_models(self, entries: Callable[[], list[Any]]) -> dict[str, Any] | None:
         """Write the ``recover_hf/{digest}/`` folders ``convert --to hf`` needs (once per trial)
         and describe them (:class:`~areal_lightning.commit.hf_meta.HFMetaRecorder`)."""
         if self._hf_meta is None:
             self._hf_meta = HFMetaRecorder(self.layout.trial_dir)
-        return self._hf_meta.record(entries)
+        return self._hf_meta.record(entries())
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -264,7 +267,7 @@ class RecoverStore:
     def target(self, gen: str, info: dict[str, dict[str, Any]],
                on_committed: Callable[[Written], None] | None = None) -> "RecoverCommit":
         """The :class:`~areal_lightning.commit.atomic.CommitTarget` of save ``gen``
-        (``DCPCheckpointIO``'s ``storage_options``): the DCP files go to
+        (the argument of ``DCPCheckpointIO.write``): the DCP files go to
         :meth:`tmp_ckpt_dir`, and its ``finalize`` is :meth:`commit` (then
         ``on_committed(written)``)."""
         return RecoverCommit(self, gen, info, on_committed)

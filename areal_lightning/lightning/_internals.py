@@ -141,7 +141,8 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The full checkpoint dict of the run now, as ``trainer.save_checkpoint`` collects it before
     handing it to the strategy (``_checkpoint_connector.dump_checkpoint(weights_only=False)``):
     model, optimizers, schedulers, loops, callback states, the hooks' additions."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    connector = trainer._checkpoint_connector
+    return _require(connector, "dump_checkpoint", "_checkpoint_connector")(weights_only=False)
 
 
 def train_loaders(trainer: Any) -> list[Any]:

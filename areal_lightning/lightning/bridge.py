@@ -46,6 +46,7 @@ from areal_lightning.lightning._internals import (
     set_save_distributed_checkpoint,
 )
 from areal_lightning.namespaces import classes
+from areal_lightning.objectstore import check_path
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ def _bridge(strategy: Strategy, io: Any) -> None:
         if strategy.world_size == 1:
             io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
+        check_path(os.fspath(filepath), "path")
         # One atomic directory for all ranks: rank 0's path and commit token.
         path, token = io.engine.ranks.agree(None, "checkpoint path", (str(filepath), new_token()))[0]
         options = io.options(storage_options)

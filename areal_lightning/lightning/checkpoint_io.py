@@ -56,7 +56,7 @@ from torch.optim import Optimizer
 from areal_lightning.commit.atomic import AtomicDir, CommitTarget, clean_leftovers
 from areal_lightning.layout import new_token
 from areal_lightning.config import IO_MODES, check_async_executor
-from areal_lightning.errors import ConfigError, PathOccupiedError
+from areal_lightning.errors import ConfigError, ConfigTypeError, PathOccupiedError, UsageError
 from areal_lightning.commit.generations import GenerationCommit, Generations, resolve
 from areal_lightning.layout import COMMIT_MARKER, OLD_PREFIX, TMP_PREFIX, leftover_of
 from areal_lightning.lightning._internals import unwrap_checkpoint_io
@@ -128,7 +128,8 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
             elif supported:
                 self._resolved = "async"
             elif self._mode == "async":
-                raise ConfigError("mode", f"DCPCheckpointIO(mode='async') is not possible: {reason}; allowed here: 'sync', 'auto'")
+                raise UsageError(f"DCPCheckpointIO(mode='async') is not possible: {reason}; "
+                                 "allowed here: mode='sync' or 'auto'")
             else:
                 rank_zero_warn(f"DCPCheckpointIO(mode='auto'): saving synchronously because {reason}")
                 self._resolved = "sync"
@@ -230,8 +231,8 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         checkpoint's dotted paths) are loaded in place, resharded by DCP."""
         check_path(os.fspath(path), "path")
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
-            raise ConfigError("map_location", f"DCPCheckpointIO.load_checkpoint: expected None, a torch.device or a "
-                              f"device string, got {type(map_location).__name__}")
+            raise ConfigTypeError("map_location", f"DCPCheckpointIO.load_checkpoint: expected None, a torch.device or "
+                                  f"a device string, got {type(map_location).__name__}")
         if is_remote(path):
             path = resolve(str(path), self._engine.storage_options)
         elif not self._engine.is_collective():  # collective loads: the bridge repairs on rank 0 first

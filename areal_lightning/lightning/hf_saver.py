@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 
-from areal_lightning.errors import UnsupportedModelError
+from areal_lightning.errors import ConfigTypeError, UnsupportedModelError
 from areal_lightning.capture.compiled import uncompiled
 from areal_lightning.capture.hf_weights import fsdp1_root
 from areal_lightning.capture.peft_weights import check_exportable, is_peft, unnamed_bases
@@ -235,7 +235,7 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             try:
                 model = functools.reduce(getattr, self.model_attr.split("."), pl_module)
             except AttributeError:
-                raise ConfigError(
+                raise ConfigTypeError(
                     "model_attr", f"HFSaverCallback(name={self.name!r}): {type(pl_module).__name__} has no attribute "
                     f"{self.model_attr!r}; set model_attr to the attribute holding the PreTrainedModel "
                     "or to a callable module -> PreTrainedModel"

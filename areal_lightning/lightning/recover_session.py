@@ -6,15 +6,16 @@ strategy bridge, the trial lock, the resume wiring, the telemetry.
 * **setup**: install the IO and the bridge; every rank agrees the trial lock was taken and
   the fileroot is shared; auto-resume is wired where Lightning resolves the checkpoint
   (:mod:`areal_lightning.lightning._internals`).
-* **save** (trigger -> capture -> stage/write -> commit): wait for the previous save to be
-  durable; rank 0 cleans leftovers and names the generation, which every rank agrees on;
-  the ``recover_info`` is described (:func:`~areal_lightning.lightning.recover_state.describe`);
-  then the save goes through ``trainer.save_checkpoint`` -- Lightning's ``dump_checkpoint``
-  collects every state (the callback's own state with RNG and loader positions inside
-  :meth:`RecoverState.saving`), the strategy bridge hands it to ``DCPCheckpointIO`` with the
-  save's commit target as ``storage_options``; DCP writes every rank's shard, and after
-  DCP's save returned (in the background for async saves) rank 0 runs the commit target's
-  ``finalize``: ``recover_info`` and the swap (:mod:`areal_lightning.commit.recover_store`).
+* **save** (:meth:`RecoverSession.save`, one function: trigger -> capture -> stage/write ->
+  commit): wait for the previous save to be durable; rank 0 cleans leftovers and names the
+  generation, which every rank agrees on; the ``recover_info`` is described
+  (:func:`~areal_lightning.lightning.recover_state.describe`); Lightning's ``dump_checkpoint``
+  collects every state, then :meth:`RecoverState.capture` adds RNG and loader positions (every
+  rank's, gathered) and :meth:`RecoverState.canonical` gives the canonical form;
+  ``DCPCheckpointIO.write`` gets the store's commit target as an argument: DCP writes every
+  rank's shard, and after DCP's save returned (in the background for async saves) rank 0 runs
+  the target's ``finalize``: ``recover_info`` and the swap
+  (:mod:`areal_lightning.commit.recover_store`).
 * **resume**: the plan of :mod:`areal_lightning.lightning.resume`, loaded through Lightning's
   own ``resume_start`` (the IO's ``load_checkpoint``), then RNG and loaders at train start.
 """
@@ -58,6 +59,7 @@ from areal_lightning.lightning.bridge import bridged, install_bridge, is_sharded
 from areal_lightning.lightning.builtin_resume import resume_swa, started_swa
 from areal_lightning.lightning.checkpoint_io import DCPCheckpointIO, attach_recover_io, find_io
 from areal_lightning.lightning.recover_state import (
+    PendingResume,
     RecoverState,
     at_epoch_boundary,
     describe,
@@ -162,6 +164,7 @@ class RecoverSession:
     def setup(self) -> None:
         """Install the bridge, take the trial lock, check shared storage, wire auto-resume."""
         trainer = self.trainer
+        self.state.pending = PendingResume()  # nothing of an earlier fit of this callback is pending
         if self._trainer_io:  # the user's checkpoints are DCP too: bridged for the whole run
             install_bridge(trainer.strategy, self.io)
         else:
@@ -404,18 +407,19 @@ class RecoverSession:
             if trainer.is_global_zero:
                 self.store.clean_stale()
                 gen = self.store.new_generation(steps)
-                models = self.store.record_hf_models(hf_models_of(trainer, trainer.lightning_module))
+                models = self.store.record_hf_models(lambda: hf_models_of(trainer, trainer.lightning_module))
                 if models is not None:  # what `convert --to hf` needs
                     info[CHECKPOINT_INFO]["hf_models"] = models
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
         gen = self.ranks.agree(error, f"recover checkpoint of global step {steps}", gen)[0]
-        # 2. Collect the checkpoint: the recover state (RNG, loader positions: every rank's,
-        #    gathered), then Lightning's (model, optimizers, loops, callback states), each rank its
-        #    own shard's view (FSDP's sharded state dicts), in the canonical form.
-        extra = self.state.capture(trainer, boundary, self.ranks, point)
+        # 2. Collect the checkpoint: Lightning's (model, optimizers, loops, callback states, every
+        #    on_save_checkpoint hook), each rank its own shard's view (FSDP's sharded state dicts);
+        #    then the recover state, as training goes on from here (RNG: after anything the hooks
+        #    drew; loader positions: every rank's, gathered), in the canonical form.
         with bridged(trainer.strategy, self.io):
             checkpoint = dump_checkpoint(trainer)
+        extra = self.state.capture(trainer, boundary, self.ranks, point)
         checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {}).update(extra)
         self.state.canonical(checkpoint, trainer)
         # 3. Write every rank's shard into the generation's folder; rank 0 commits it with its

@@ -74,8 +74,11 @@ def step_info(trainer: Any, position: EpochPosition) -> StepInfo:
 
 @dataclass
 class PendingResume:
-    """Everything a resume has read and not applied yet, in one place: each field is set when the
-    checkpoint loads and consumed once, where Lightning's loop lets it be applied (the hook named)."""
+    """Everything a resume has read and not applied yet, in one place (a fresh one at each fit's
+    setup): set when the checkpoint loads, applied where Lightning's loop lets it be (the hook
+    named). ``save_point``, ``stop``, ``accumulate``, ``rng``, ``remapped``, ``epoch_metrics``,
+    ``csv_logs``, ``swa`` and ``automatic`` are taken once; ``plan``, ``at_boundary`` and the DDP
+    fields are read where needed."""
 
     plan: Any = None
     """The automatic resume's :class:`~areal_lightning.lightning.resume.ResumePlan` (``None``: a

@@ -12,6 +12,7 @@ name, right after the save) and DIR/loaded.pt (the same, right after the resume)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
+from areal_lightning.errors import ConfigError
 from areal_lightning import DCPCheckpointIO, StagingWaitCallback
 
 warnings.filterwarnings("ignore")
@@ -96,6 +98,12 @@ def main() -> None:
     module = Net(args.strategy == "fsdp2", root)
     first.fit(module, DataLoader(data, batch_size=8, shuffle=True))
     first.save_checkpoint(root / "ckpt")
+    # A path no checkpoint can have is refused on every rank, before anything is written.
+    os.chdir(root)
+    try:
+        first.save_checkpoint("hdfs://namenode/ckpt")
+    except ConfigError as exc:
+        (root / f"refused.rank{first.global_rank}").write_text(str(exc))
     # No wait: async, rank 0 alone renames the save into place; the load below must wait for it.
     state = full_state(first, module)
     if first.is_global_zero:
