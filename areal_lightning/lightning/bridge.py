@@ -46,7 +46,6 @@ from areal_lightning.lightning._internals import (
     set_save_distributed_checkpoint,
 )
 from areal_lightning.namespaces import classes
-from areal_lightning.objectstore import check_path
 
 log = logging.getLogger(__name__)
 
@@ -191,14 +190,10 @@ def _bridge(strategy: Strategy, io: Any) -> None:
         return str(io.engine.ranks.agree(error, what, str(path))[0])
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
-        if strategy.world_size == 1:
-            io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        check_path(os.fspath(filepath), "path")
-        # One atomic directory for all ranks: rank 0's path and commit token.
-        path, token = io.engine.ranks.agree(None, "checkpoint path", (str(filepath), new_token()))[0]
-        options = io.options(storage_options)
-        io.write(checkpoint, io.target(path, token, options), storage_options=options)
+        token = None
+        if strategy.world_size > 1:  # one atomic directory for all ranks: rank 0's path and commit token
+            filepath, token = io.engine.ranks.agree(None, "checkpoint path", (str(filepath), new_token()))[0]
+        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options, token=token)
 
     def load_checkpoint(checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Every rank first waits for its own save in flight: rank 0 alone renames a finished

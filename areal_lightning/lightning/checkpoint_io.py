@@ -154,7 +154,8 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         """Undo :meth:`add_staging_waiter`."""
         self._staging_waiters = max(0, self._staging_waiters - 1)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None, *,
+                        token: str | None = None) -> None:
         """Write ``checkpoint`` as the DCP directory ``path`` (first surfacing a failure of
         the previous async save). See the module doc for when an async save returns.
 
@@ -163,10 +164,11 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         saves), so ``path`` always holds a complete checkpoint, the old one until the new
         one replaces it. ``storage_options``: options of the object-store file system for
         this save (``trainer.save_checkpoint(path, storage_options={...})``), over the IO's own;
-        ``None`` for the IO's own."""
+        ``None`` for the IO's own. ``token``: the commit token every rank of a collective save
+        uses (rank 0's; the strategy bridge passes it)."""
         check_path(os.fspath(path), "path")
         options = self.options(storage_options)
-        self.write(checkpoint, self.target(path, storage_options=options), storage_options=options)
+        self.write(checkpoint, self.target(path, token, options), storage_options=options)
 
     def write(self, checkpoint: dict[str, Any], target: CommitTarget, *, storage_options: Optional[dict[str, Any]] = None,
               check: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
