@@ -79,7 +79,6 @@ from __future__ import annotations
 
 
 import itertools
-import logging
 import os
 import pickle
 import shutil
@@ -125,8 +124,6 @@ from areal_lightning.write.process import ASYNC_EXECUTORS, CheckpointProcess
 from areal_lightning.write.objectstore_fs import Location, location, on_object_store
 from areal_lightning.write.dcp_writer import CachingSavePlanner, HashingWriter
 from areal_lightning.write.dcp_reader import READ_THREADS, Read, TemplateLoadPlanner, check_complete, reader_of
-
-log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 

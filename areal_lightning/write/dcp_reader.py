@@ -8,7 +8,6 @@ from __future__ import annotations
 
 
 import io
-import logging
 import os
 import pickle
 import time
@@ -48,8 +47,6 @@ from areal_lightning.write.dcp_format import (
 )
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, read_into
 from areal_lightning.write.objectstore_fs import Location, location, on_object_store
-
-log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 

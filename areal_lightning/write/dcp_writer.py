@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -54,8 +54,6 @@ from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, tensor_bytes
 
 log = logging.getLogger(__name__)
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 # --------------------------------------------------------------------------------------

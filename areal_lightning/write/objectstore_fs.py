@@ -6,7 +6,6 @@ from __future__ import annotations
 
 
 import contextlib
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,8 +17,6 @@ from areal_lightning._torch_internals import (
     FsspecFileSystem,
 )
 from areal_lightning.objectstore import filesystem, is_remote
-
-log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 

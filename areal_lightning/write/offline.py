@@ -6,7 +6,6 @@ from __future__ import annotations
 
 
 import io
-import logging
 import os
 import pickle
 from collections.abc import Mapping
@@ -34,8 +33,6 @@ from areal_lightning.write.checksum import (
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import is_raw
 from areal_lightning.write.dcp_reader import Read, TemplateLoadPlanner, check_complete, reader_of
-
-log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -19,12 +19,9 @@ from areal_lightning.layout import (
     RECOVER_INFO,
     STEP_INFO,
 )
-import logging
 from areal_lightning.tools.certify.disk import check_exports, expected_resume, find_trials, leftovers
 from areal_lightning.tools.certify.process import _trace_counts, run_group
 from areal_lightning.tools.certify.protocol import END_CHECK, ENV_MODE, ENV_ROOT, _RESUMED
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -12,12 +12,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from areal_lightning._fault import POINTS
-import logging
 from areal_lightning.tools.certify.cases import Certifier
 from areal_lightning.tools.certify.protocol import CertifyUsageError, ENV_ROOT
 from areal_lightning.tools.certify.report import render
-
-log = logging.getLogger(__name__)
 
 
 def _parse_points(text: str) -> list[tuple[str, int | None]]:

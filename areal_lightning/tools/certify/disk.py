@@ -20,9 +20,6 @@ from areal_lightning.layout import (
     TMP_PREFIX,
     parse_export_name,
 )
-import logging
-
-log = logging.getLogger(__name__)
 
 
 def find_trials(root: Path) -> list[Path]:

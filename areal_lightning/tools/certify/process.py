@@ -11,9 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import logging
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

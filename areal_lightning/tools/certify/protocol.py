@@ -6,9 +6,6 @@ from __future__ import annotations
 import re
 
 from areal_lightning.errors import AreaLightningError
-import logging
-
-log = logging.getLogger(__name__)
 
 
 ENV_MODE = "AREAL_LIGHTNING_CERTIFY_MODE"

@@ -5,10 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import logging
 from areal_lightning.tools.certify.cases import Case
-
-log = logging.getLogger(__name__)
 
 
 def _resumed_text(case: Case) -> str:

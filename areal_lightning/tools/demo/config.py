@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -19,8 +18,6 @@ from areal_lightning.errors import AreaLightningError
 
 if TYPE_CHECKING:
     pass
-
-log = logging.getLogger(__name__)
 
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import signal
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     pass
 from areal_lightning.tools.demo.config import DemoConfig, DemoMismatchError, MODEL_NAME, PAUSE_ENV, REFERENCE_SUFFIX, STALL_TIMEOUT_S, _short_list
 from areal_lightning.tools.demo.train import worker_threads
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -3,7 +3,6 @@ Llama in a LightningModule, greedy generation from an export."""
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -15,8 +14,6 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     pass
 from areal_lightning.tools.demo.config import CHARS, DemoTrainConfig, SPECIAL_TOKENS
-
-log = logging.getLogger(__name__)
 
 
 def build_tokenizer() -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -19,8 +18,6 @@ from areal_lightning.tools.demo.config import DemoConfig, DemoMismatchError, MOD
 from areal_lightning.tools.demo.kill import _run_killed_and_reference
 from areal_lightning.tools.demo.model import generate
 from areal_lightning.tools.demo.train import _fit
-
-log = logging.getLogger(__name__)
 
 
 def run_demo(config: Any = None, overrides: Sequence[str] = (), *, check: bool = True, echo: bool = True,

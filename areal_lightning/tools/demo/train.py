@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 from areal_lightning.tools.demo.config import DemoConfig, PAUSE_ENV
 from areal_lightning.tools.demo.model import AdditionDataset, _tiny_causal_lm_class, build_tokenizer
 
-log = logging.getLogger(__name__)
-
 
 def _loss_file(path: Path) -> Any:
     """A Lightning callback writing the per-step losses to ``path`` (see ``_LossFile``)."""
