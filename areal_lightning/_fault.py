@@ -63,6 +63,12 @@ POINTS: dict[str, str] = {
     "commit.remove_dir.begin": "remove_dir: before the folder is renamed to .trash-",
     "commit.remove_renamed": "remove_dir: renamed to .trash-, before the trash is deleted",
     "commit.remove_dir.done": "remove_dir: the trash folder is deleted",
+    # the memory tier (write/slot.py, commit/memory_tier.py): every rank, at its memory-tier steps
+    "memory.mid_copy": "half of the rank's tensors copied into the slot's mapped file (training thread)",
+    "memory.before_metadata": "the slot's tensors checksummed and its skeleton written, before its .metadata "
+                              "(background thread)",
+    "memory.before_seal": "the slot's .metadata written, before SEALED.json (background thread)",
+    "memory.after_seal": "SEALED.json renamed into place: the slot holds the step (background thread)",
     # object stores (write/objectstore_fs.py): a DCP file's multipart upload is under way (every rank)
     "objectstore.mid_upload": "the first part of a data file's multipart upload is sent; the object is not "
                               "complete (writer threads; async: background thread)",

@@ -151,6 +151,77 @@ class SaverConfig:
         return any(f is not None for f in (self.freq_epochs, self.freq_steps, self.freq_secs))
 
 
+MEMORY_ROOT = "/dev/shm/areal-lightning"
+"""Where the memory tier's per-trial folders go by default (tmpfs: RAM, survives the process)."""
+
+
+@dataclass
+class MemoryConfig:
+    """The node-local memory tier of :class:`~areal_lightning.RecoverCallback` (``recover.memory``).
+
+    Each rank writes its shard of the full recover state into the next of ``slots`` slots on a
+    tmpfs folder after every ``freq_steps``-th step and seals it; a rerun resumes from the newest
+    step every rank sealed when it is newer than the shared tier's checkpoint.
+
+    Attributes:
+        enabled: write the memory tier (default off; ``RecoverCallback(memory=True)`` or a dict turns it on).
+        root: the folder of the tier's per-trial folders (``None``: ``/dev/shm/areal-lightning``).
+        freq_steps: write a slot after every N-th optimizer step (default 1: every step).
+        slots: slots per rank (>= 2: the newest sealed slot is never overwritten before a newer one is sealed).
+        replicas: copies of each slot on a peer node (0 or 1).
+
+    Example:
+        >>> MemoryConfig(enabled=True, slots=3).validate().slots
+        3
+    """
+
+    enabled: bool = False
+    root: Optional[str] = None
+    freq_steps: int = 1
+    slots: int = 2
+    replicas: int = 0
+
+    def validate(self, prefix: str = "recover.memory") -> "MemoryConfig":
+        """Check every field. Returns ``self``."""
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{prefix}.enabled", f"expected true or false, got {self.enabled!r}")
+        if self.root is not None:
+            if isinstance(self.root, os.PathLike):
+                self.root = os.fspath(self.root)
+            if not isinstance(self.root, str) or not self.root.strip() or "://" in self.root:
+                raise ConfigError(f"{prefix}.root", f"expected a local folder (a tmpfs such as /dev/shm) or null "
+                                                    f"(default {MEMORY_ROOT}), got {self.root!r}")
+        _positive_int(self.freq_steps, f"{prefix}.freq_steps")
+        if self.freq_steps is None:
+            raise ConfigError(f"{prefix}.freq_steps", "expected a positive integer (default 1: every step), got null")
+        s = self.slots
+        if isinstance(s, bool) or not isinstance(s, int) or s < 2:
+            raise ConfigError(f"{prefix}.slots", f"expected an integer >= 2 (one slot is written while the newest "
+                                                 f"sealed one is kept), got {s!r}")
+        r = self.replicas
+        if isinstance(r, bool) or r not in (0, 1):
+            raise ConfigError(f"{prefix}.replicas", f"expected 0 or 1 (copies of each slot on a peer node), got {r!r}")
+        return self
+
+
+def as_memory(value: Any) -> MemoryConfig:
+    """``RecoverCallback(memory=...)`` as a validated :class:`MemoryConfig`: ``None``/``False``
+    (off), ``True`` (on with the defaults), a mapping of its fields (on unless it says
+    ``enabled: false``) or a ``MemoryConfig``."""
+    if value is None or value is False:
+        return MemoryConfig()
+    if value is True:
+        return MemoryConfig(enabled=True).validate()
+    if isinstance(value, MemoryConfig):
+        return value.validate()
+    if isinstance(value, (Mapping, DictConfig)):
+        data = _to_container(value)
+        data.setdefault("enabled", True)
+        return build_dataclass(MemoryConfig, data, prefix="memory.").validate("memory")
+    raise ConfigError("memory", f"expected true/false, a mapping of {', '.join(f.name for f in dataclasses.fields(MemoryConfig))} "
+                                f"or a MemoryConfig, got {type(value).__name__} {value!r}")
+
+
 @dataclass
 class RecoverConfig:
     """When :class:`~areal_lightning.RecoverCallback` writes recover checkpoints.
@@ -164,6 +235,7 @@ class RecoverConfig:
         preempt_signals: signals on which the run checkpoints its current step and stops
             (default ``[SIGTERM]``; ``[]``: none).
         fast_forward: how a mid-epoch resume passes the trained batches: ``sampler`` or ``replay``.
+        memory: the node-local memory tier (:class:`MemoryConfig`, off by default).
 
     Example:
         >>> RecoverConfig(mode=True, freq_steps=100).validate().mode  # YAML `on`
@@ -177,6 +249,7 @@ class RecoverConfig:
     retries: int = 3
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM"])
     fast_forward: str = "sampler"
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def validate(self, prefix: str = "recover") -> "RecoverConfig":
         """Check every field; normalise ``mode``. Returns ``self``."""
@@ -188,6 +261,9 @@ class RecoverConfig:
             raise ConfigError(f"{prefix}.retries", f"expected an integer >= 0, got {r!r}")
         self.preempt_signals = [s.name for s in parse_signals(self.preempt_signals, f"{prefix}.preempt_signals")]
         self.fast_forward = _mode(self.fast_forward, f"{prefix}.fast_forward", FAST_FORWARD_MODES)
+        if isinstance(self.memory, (bool, Mapping)):
+            self.memory = as_memory(self.memory)
+        self.memory.validate(f"{prefix}.memory")
         return self
 
     @property

@@ -73,6 +73,17 @@ can prove it sees the same storage (:func:`areal_lightning.collective.check_shar
 # -- names inside checkpoint folders -----------------------------------------------------
 COMMIT_MARKER = ".metadata"
 """The file whose presence marks a DCP directory as complete (DCP writes it last, atomically)."""
+
+# -- the memory tier (a node-local tmpfs folder per trial) ---------------------------------
+MEMORY_SEAL = "SEALED.json"
+"""In a memory-tier slot (``{tier}/rank{r}/slot{k}/``, a rank-local DCP checkpoint): written
+last, after ``.metadata``; the slot holds a complete state only while it exists."""
+
+
+def memory_slot(tier: Path, rank: int, slot: int) -> Path:
+    """The folder of one slot of one rank in the memory tier folder ``tier``."""
+    return tier / f"rank{rank}" / f"slot{slot}"
+
 HF_METADATA_TMP = ".hf-metadata"
 """Inside an export's temporary folder: where ``save_pretrained`` writes config files first."""
 HF_DCP_SHARDS = "sharded"

@@ -78,6 +78,7 @@ class Telemetry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list[SaveReport] = []
+        self._metrics: list[tuple[int, dict[str, float]]] = []
 
     def record(self, report: SaveReport) -> None:
         """Note a finished save (thread-safe) and log its human line."""
@@ -90,15 +91,21 @@ class Telemetry:
                  "HF" if report.kind == "hf" else "recover", report.path, report.nbytes / 1e6, report.write_s,
                  report.gbps, report.blocked_s, extra)
 
+    def note(self, step: int, metrics: dict[str, float]) -> None:
+        """Queue plain metrics of ``step`` for the loggers (e.g. the memory tier's, every step; no log line)."""
+        with self._lock:
+            self._metrics.append((step, metrics))
+
     def flush(self, trainer: Any) -> None:
         """Send the recorded saves to ``trainer.loggers`` (call from the training thread)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        if not pending or not trainer.is_global_zero:
+            metrics, self._metrics = self._metrics, []
+        if not trainer.is_global_zero:
             return
-        for report in pending:
+        for step, values in [(r.step, r.metrics()) for r in pending] + metrics:
             for logger in trainer.loggers:
-                logger.log_metrics(report.metrics(), step=report.step)
+                logger.log_metrics(values, step=step)
 
 
 class SaveTimer:

@@ -121,7 +121,8 @@ def test_defaults_follow_the_spec() -> None:
         "mode": "auto", "freq_epochs": None, "freq_steps": None, "freq_secs": None, "max_keep": None}
     assert dataclasses.asdict(RecoverConfig()) == {
         "mode": "disabled", "freq_epochs": None, "freq_steps": None, "freq_secs": None, "retries": 3,
-        "preempt_signals": ["SIGTERM"], "fast_forward": "sampler"}
+        "preempt_signals": ["SIGTERM"], "fast_forward": "sampler",
+        "memory": {"enabled": False, "root": None, "freq_steps": 1, "slots": 2, "replicas": 0}}
     cfg = load_config(BASE)
     assert cfg.user is None and cfg.resolved_user  # the OS user
     assert load_config({**BASE, "user": "alice"}).resolved_user == "alice"

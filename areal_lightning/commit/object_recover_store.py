@@ -113,6 +113,11 @@ class ObjectRecoverStore:
         """True when a committed generation exists (a recover checkpoint is expected)."""
         return self.infos.newest() is not None
 
+    def info_deleted(self) -> bool:
+        """A committed generation of the checkpoint's data without a committed ``recover_info``:
+        the user deleted it."""
+        return self.infos.newest() is None and self.data.newest() is not None
+
     def read_info(self) -> dict[str, dict[str, Any]]:
         """The ``recover_info`` of the newest committed generation, validated."""
         newest = self.infos.newest()

@@ -181,6 +181,11 @@ class RecoverStorage(Protocol):
         """Whether a committed recover checkpoint exists."""
         ...
 
+    def info_deleted(self) -> bool:
+        """Whether a committed checkpoint's data is there without its ``recover_info`` (the
+        documented fresh start: the user deleted it)."""
+        ...
+
     def read_info(self) -> dict[str, dict[str, Any]]:
         """The committed ``recover_info`` files."""
         ...
@@ -374,6 +379,10 @@ class RecoverStore:
     def exists(self) -> bool:
         """True when ``recover_info/`` exists (a recover checkpoint is expected)."""
         return self.info_dir.is_dir()
+
+    def info_deleted(self) -> bool:
+        """``recover_checkpoint/`` without ``recover_info/`` (after :meth:`repair`): the user deleted it."""
+        return not self.info_dir.is_dir() and self.ckpt_dir.is_dir()
 
     def info_file(self, name: str) -> Path:
         """Where the ``recover_info`` file ``name`` is."""

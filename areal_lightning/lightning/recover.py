@@ -17,6 +17,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, validate_timeout
+from areal_lightning.commit.memory_tier import MemoryTier, tier_folder
 from areal_lightning.commit.object_recover_store import ObjectRecoverStore
 from areal_lightning.commit.recover_store import RecoverStore
 from areal_lightning.config import (
@@ -24,6 +25,7 @@ from areal_lightning.config import (
     ExperimentConfig,
     RecoverConfig,
     as_experiment,
+    as_memory,
     check_async_executor,
     validate_model_name,
 )
@@ -120,6 +122,12 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             weights_only=True)`` does (default). Hyper-parameters holding other objects are
             then refused with an explanation: allowlist their types with
             ``torch.serialization.add_safe_globals``, or pass ``False`` for trusted storage.
+        memory: the node-local memory tier (``recover.memory``; off by default): ``True``, or a
+            dict / :class:`~areal_lightning.config.MemoryConfig` of ``root`` (default a per-trial
+            folder on ``/dev/shm``), ``freq_steps`` (default 1), ``slots`` (>= 2), ``replicas``.
+            After every such step each rank copies its state into a slot on tmpfs and seals it
+            in the background; a rerun resumes from the newest step every rank sealed when it
+            is newer than the shared tier's checkpoint (``freq_*`` keep driving the shared tier).
 
     Example:
         >>> recover = RecoverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
@@ -149,6 +157,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         preempt_signals: Any = DEFAULT_PREEMPT_SIGNALS,
         preempt_exit_code: int = PREEMPTED_EXIT_CODE,
         storage_options: dict[str, Any] | None = None,
+        memory: Any = None,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -158,7 +167,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             storage_options=storage_options,
             recover=RecoverConfig(mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps,
                                   freq_secs=freq_secs, retries=retries, preempt_signals=preempt_signals,  # type: ignore[arg-type]
-                                  fast_forward=fast_forward),
+                                  fast_forward=fast_forward, memory=as_memory(memory)),
         ).validate()
         if io_mode not in IO_MODES:
             raise ConfigError("io_mode", f"unknown mode {io_mode!r}; allowed: {', '.join(IO_MODES)}")
@@ -206,7 +215,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                    user=exp.user, mode=r.mode, freq_epochs=r.freq_epochs, freq_steps=r.freq_steps,
                    freq_secs=r.freq_secs, retries=r.retries,
                    **{"preempt_signals": r.preempt_signals, "fast_forward": r.fast_forward,
-                      "storage_options": exp.storage_options, **kwargs})
+                      "storage_options": exp.storage_options, "memory": r.memory, **kwargs})
 
     @property
     def enabled(self) -> bool:
@@ -235,9 +244,17 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             trainer, store=self.store, state=self.state, telemetry=self.telemetry, experiment=self.experiment,
             schedule=self.schedule, preemption=self.preemption, io_mode=self.io_mode,
             async_executor=self.async_executor, weights_only=self.weights_only,
-            collective_timeout=self.collective_timeout, state_key=self.state_key)
+            collective_timeout=self.collective_timeout, state_key=self.state_key, memory=self._memory_tier(trainer))
         self._session.setup()
         self.freq.start()
+
+    def _memory_tier(self, trainer: "pl.Trainer") -> MemoryTier | None:
+        memory = self.config.memory
+        if not memory.enabled:
+            return None
+        folder = tier_folder(memory.root, self.layout.user, self.layout.experiment_name, self.layout.trial_name,
+                             self.name)
+        return MemoryTier(memory, folder, trainer.global_rank, trainer.num_devices)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.enabled:
@@ -247,6 +264,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.state.position.train_started(trainer)
+        if self._session is not None:
+            self._session.check_memory_space()
         if self.enabled:
             self.preemption.install(trainer)
         step = self._session.train_started(pl_module) if self._session is not None else None
@@ -295,6 +314,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             self._session.save_at_train_end()
         if self._session is not None:
             self._session.wait_all()
+            self._session.finished()
         self.telemetry.flush(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:

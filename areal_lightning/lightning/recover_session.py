@@ -37,6 +37,7 @@ from areal_lightning._torch_internals import remove_warning_filter
 from areal_lightning.capture.compiled import live_names
 from areal_lightning.capture.optimizer_names import by_index, parameter_names
 from areal_lightning.commit.generations import resolve
+from areal_lightning.commit.memory_tier import MemoryTier, local_nbytes
 from areal_lightning.commit.recover_store import RecoverStorage
 from areal_lightning.errors import CheckpointCorruptError, ConfigError, RecoverMismatchError, start_fresh
 from areal_lightning.layout import CHECKPOINT_INFO, COMMIT_MARKER, DATALOADER_INFO, STATS_LOGGER_INFO, STEP_INFO
@@ -68,6 +69,7 @@ from areal_lightning.lightning.recover_state import (
 )
 from areal_lightning.objectstore import is_remote
 from areal_lightning.lightning.resume import (
+    ResumePlan,
     agreed_plan,
     continue_user_files,
     restore_csv_logs,
@@ -133,7 +135,8 @@ class RecoverSession:
 
     def __init__(self, trainer: Any, *, store: RecoverStorage, state: RecoverState, telemetry: Telemetry,
                  experiment: Any, schedule: SaveSchedule, preemption: Preemption, io_mode: str, async_executor: str,
-                 weights_only: bool, collective_timeout: float, state_key: str) -> None:
+                 weights_only: bool, collective_timeout: float, state_key: str,
+                 memory: MemoryTier | None = None) -> None:
         self.trainer = trainer
         self.store = store
         self.state = state
@@ -144,9 +147,11 @@ class RecoverSession:
         self.collective_timeout = collective_timeout
         self.preemption = preemption
         self.state_key = state_key  # the callback's key in the checkpoint's "callbacks"
+        self.memory = memory  # the node-local memory tier (None: off)
         self.io, self._trainer_io = recover_io(trainer, io_mode, store.storage_options,
                                                async_executor)
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
+        self.shared_step: int | None = None  # global step of the newest shared save started or resumed from
         self._timer: SaveTimer | None = None  # the timing of the last save
         self._patch = Patch()
         self._checked_loadable = False
@@ -219,6 +224,8 @@ class RecoverSession:
             remove_warning_filter(self._warning_filter)
         self._warning_filter = None
         self.state.tracker.untrack()
+        if self.memory is not None:
+            self.memory.close()  # the slots stay: a rerun resumes from them
         if not self._trainer_io and not self._io_closed:
             self._io_closed = True
             try:  # the private IO: its staging buffers and process groups (a failure was raised by wait_all())
@@ -235,6 +242,8 @@ class RecoverSession:
         def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
             if checkpoint_path is not None:
                 log.info("RecoverCallback: resuming from the explicit ckpt_path=%s", checkpoint_path)
+                if self.memory is not None:
+                    self.memory.discard()
                 # the user's own checkpoint: their CheckpointIO
                 if not _is_dcp_dir(checkpoint_path, self.io.engine.storage_options):
                     return original(checkpoint_path, weights_only)
@@ -242,7 +251,10 @@ class RecoverSession:
                     original(checkpoint_path, weights_only)
                 self._to_live_names()
                 return None
-            plan = self.state.pending.plan = agreed_plan(self.store, self.experiment, trainer, self.ranks)
+            plan = agreed_plan(self.store, self.experiment, trainer, self.ranks)
+            self.shared_step = plan.info[CHECKPOINT_INFO]["global_step"] if plan is not None else None
+            memory = self._memory_plan()
+            plan = self.state.pending.plan = memory if memory is not None else plan
             if plan is None:
                 return original(None, weights_only)
             ckpt = plan.info[CHECKPOINT_INFO]
@@ -256,6 +268,10 @@ class RecoverSession:
                     original(str(plan.path), self.weights_only)
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
+            if memory is not None and not is_sharded(trainer.strategy):
+                # Every tensor of the slot is this rank's own: put the model's back once DDP is built.
+                self.io.engine.last_per_rank = {f"state_dict.{key}": value for key, value in
+                                                loaded_checkpoint(trainer).get("state_dict", {}).items()}
             self._to_live_names()
             self.state.pending.swa = started_swa(trainer, loaded_checkpoint(trainer))
             loaded = loaded_checkpoint(trainer).get("global_step")
@@ -265,12 +281,26 @@ class RecoverSession:
                     f"global step {ckpt['global_step']}; {start_fresh(self.store.info_dir)}")
             step = plan.info[STEP_INFO]
             read = self.io.engine.last_read
-            log.info("RecoverCallback: resuming from %s after global step %d (epoch %d, step %d in epoch); "
-                     "this rank read and verified %.1f MB (%d items, %.3fs hashing)", plan.path, step["global_step"],
+            log.info("RecoverCallback: resuming from the %s tier, %s after global step %d (epoch %d, step %d in "
+                     "epoch); this rank read and verified %.1f MB (%d items, %.3fs hashing)",
+                     "memory" if memory is not None else "shared", plan.path, step["global_step"],
                      step["epoch"], step["epoch_step"], (read.nbytes if read else 0) / 1e6,
                      read.verified if read else 0, read.verify_s if read else 0.0)
 
         return resume_start
+
+    def _memory_plan(self) -> ResumePlan | None:
+        """The memory tier's newest step every rank can restore, when it is not older than the
+        shared tier's checkpoint (collective; see :meth:`MemoryTier.choose`)."""
+        if self.memory is None:
+            return None
+        fresh = self.trainer.is_global_zero and self.shared_step is None and self.store.info_deleted()
+        if self.trainer.world_size > 1:
+            fresh = bool(self.ranks.agree(None, "memory tier: a fresh start", fresh)[0])
+        chosen = self.memory.choose(self.ranks, self.trainer.world_size, self.shared_step, fresh)
+        if chosen is None:
+            return None
+        return ResumePlan(chosen.seal.path, chosen.info, chosen.nbytes, chosen.check_s)
 
     def _to_live_names(self) -> None:
         """The loaded model state under the live model's names: a recover checkpoint stores them
@@ -333,6 +363,8 @@ class RecoverSession:
 
     def _act(self, decision: Save, point: SavePoint) -> None:
         if decision is Save.NONE:
+            if self.memory is not None and self.memory.due(self.trainer.global_step):
+                self.save(point, shared=False)  # the memory tier's own step
             return
         self.save(point)
         if decision is Save.PREEMPT:
@@ -357,6 +389,22 @@ class RecoverSession:
             return apply_to_collection(loaders, DataLoader, lambda dl: self.state.tracker.track(dl, next(counter)))
 
         return dataloader
+
+    def check_memory_space(self) -> None:
+        """Before the first step: the memory tier's tmpfs holds its slots of this rank's state as it
+        is now (model, and optimizer states already made); every rank raises if one cannot."""
+        if self.memory is None:
+            return
+        error: BaseException | None = None
+        try:
+            tensors = [self.trainer.lightning_module.state_dict()] + [opt.state_dict() for opt in self.trainer.optimizers]
+            self.memory.check_space(local_nbytes(tensors))
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        if self.trainer.world_size > 1:
+            self.ranks.agree(error, "memory tier: free space")
+        elif error is not None:
+            raise error
 
     def train_started(self, pl_module: Any) -> StepInfo | None:
         """At ``on_train_start`` of a resumed run: restore the RNG, log, return where it resumed."""
@@ -387,14 +435,19 @@ class RecoverSession:
 
     # -- save ----------------------------------------------------------------------------
 
-    def save(self, point: SavePoint | None = None) -> None:
+    def save(self, point: SavePoint | None = None, *, shared: bool = True) -> None:
         """Write a recover checkpoint of the current state (collective: every rank calls it).
-        ``point``: where in the loop (``None``: from inside a hook, ``RecoverCallback.save``).
-        At the save point an async save's host copy is finished before training goes on (the
-        next step's hooks and forward, e.g. BatchNorm statistics, change the live tensors)."""
+        ``point``: where in the loop (``None``: from inside a hook, ``RecoverCallback.save``);
+        at a save point the memory tier, when on and due, gets this rank's slot too.
+        ``shared=False``: the memory tier only. At the save point an async save's host copy is
+        finished before training goes on (the next step's hooks and forward, e.g. BatchNorm
+        statistics, change the live tensors)."""
         trainer, engine, steps = self.trainer, self.io.engine, self.trainer.global_step
-        self.state.freq.mark_fired(steps)
-        timer = self._timer = SaveTimer(self.telemetry, steps, str(self.store.ckpt_dir), self.store.retries)
+        tier = self.memory if self.memory is not None and point is not None and self.memory.due(steps) else None
+        if shared:
+            self.state.freq.mark_fired(steps)
+            self.shared_step = steps  # the memory tier's slots follow this save from now on
+            timer = self._timer = SaveTimer(self.telemetry, steps, str(self.store.ckpt_dir), self.store.retries)
         boundary = at_epoch_boundary(trainer)
         info = describe(trainer, self.state, boundary=boundary, io_mode=self.io.resolved_mode,
                         experiment=self.experiment, user=self.store.layout.user)
@@ -402,17 +455,18 @@ class RecoverSession:
         #    what interrupted saves left, names this save's generation; every rank agrees on it.
         error: BaseException | None = None
         gen: str | None = None
-        try:
-            engine.wait()
-            if trainer.is_global_zero:
-                self.store.clean_stale()
-                gen = self.store.new_generation(steps)
-                models = self.store.record_hf_models(lambda: hf_models_of(trainer, trainer.lightning_module))
-                if models is not None:  # what `convert --to hf` needs
-                    info[CHECKPOINT_INFO]["hf_models"] = models
-        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
-            error = exc
-        gen = self.ranks.agree(error, f"recover checkpoint of global step {steps}", gen)[0]
+        if shared:
+            try:
+                engine.wait()
+                if trainer.is_global_zero:
+                    self.store.clean_stale()
+                    gen = self.store.new_generation(steps)
+                    models = self.store.record_hf_models(lambda: hf_models_of(trainer, trainer.lightning_module))
+                    if models is not None:  # what `convert --to hf` needs
+                        info[CHECKPOINT_INFO]["hf_models"] = models
+            except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+                error = exc
+            gen = self.ranks.agree(error, f"recover checkpoint of global step {steps}", gen)[0]
         # 2. Collect the checkpoint: Lightning's (model, optimizers, loops, callback states, every
         #    on_save_checkpoint hook), each rank its own shard's view (FSDP's sharded state dicts);
         #    then the recover state, as training goes on from here (RNG: after anything the hooks
@@ -422,13 +476,19 @@ class RecoverSession:
         extra = self.state.capture(trainer, boundary, self.ranks, point)
         checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {}).update(extra)
         self.state.canonical(checkpoint, trainer)
-        # 3. Write every rank's shard into the generation's folder; rank 0 commits it with its
+        # 3. The memory tier: this rank's slot (training waits for the copy; the slot is sealed
+        #    in the background).
+        if tier is not None:
+            self._write_memory(tier, checkpoint, info, steps)
+        if not shared:
+            return
+        # 4. Write every rank's shard into the generation's folder; rank 0 commits it with its
         #    recover_info once DCP returned (in the background for an async save).
         target = self.store.target(gen, info, on_committed=self._committed(timer))
         check = None if not self.weights_only or self._checked_loadable else self._check_loadable
         self.io.write(checkpoint, target, check=check)
         trainer.strategy.barrier("RecoverCallback.save")
-        # 4. At the save point the next step must not change what an async save still copies.
+        # 5. At the save point the next step must not change what an async save still copies.
         if point is not None and engine.in_flight is not None:
             engine.wait_for_staging()
         timer.returned()
@@ -436,6 +496,21 @@ class RecoverSession:
         if written is not None and not trainer.is_global_zero and self.io.resolved_mode == "sync":
             log.debug("recover checkpoint of global step %d: rank %d wrote %.1f MB, %.3fs of it hashing",
                       steps, trainer.global_rank, written.nbytes / 1e6, written.hash_s)
+
+    def _write_memory(self, tier: MemoryTier, checkpoint: dict[str, Any], info: dict[str, Any], steps: int) -> None:
+        """This rank's memory-tier slot of the checkpoint; a failure on any rank is raised on every rank."""
+        error: BaseException | None = None
+        try:
+            tier.write(checkpoint, global_step=steps, world_size=self.trainer.world_size, lineage=self.shared_step,
+                       info=info)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        if self.trainer.world_size > 1:
+            self.ranks.agree(error, f"memory tier slot of global step {steps}")
+        elif error is not None:
+            raise error
+        self.telemetry.note(steps, {"checkpoint/memory/blocked_s": tier.last_copy_s + tier.last_stall_s,
+                                    "checkpoint/memory/stall_s": tier.last_stall_s})
 
     def _committed(self, timer: SaveTimer) -> Callable[[Any], None]:
         def committed(written: Any) -> None:  # rank 0, after the commit (in the background when async)
@@ -473,6 +548,12 @@ class RecoverSession:
     def wait_all(self) -> None:
         """Collective :meth:`wait`: a failure on any rank (rank 0 alone publishes) is raised on every rank."""
         self.io.engine.wait_all("recover checkpoint in flight at the end of training")
+
+    def finished(self) -> None:
+        """``fit`` ended normally and its last checkpoint is durable on every rank: the memory
+        tier's folders are removed (the shared tier holds the end)."""
+        if self.memory is not None:
+            self.memory.remove()
 
     def log_age(self, pl_module: Any) -> None:
         """Log ``checkpoint/recover/age_s``: seconds since the last durable recover checkpoint."""

@@ -211,11 +211,13 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
     write_metadata(path, layout.metadata, written)
 
 
-def write_metadata(path: Path, metadata: Metadata, written: Written) -> None:
+def write_metadata(path: Path, metadata: Metadata, written: Written, *,
+                   points: tuple[str | None, str | None] = ("engine.before_commit", "engine.after_commit")) -> None:
     """Write ``metadata`` as the commit marker of ``path`` (tmp file, fsync, rename, directory
-    fsync), between the fault points ``engine.before_commit`` and ``engine.after_commit``;
-    its size and the manifest go to ``written``."""
-    fault_point("engine.before_commit")
+    fsync), between the fault ``points`` (default ``engine.before_commit`` and
+    ``engine.after_commit``; ``None``: none); its size and the manifest go to ``written``."""
+    if points[0] is not None:
+        fault_point(points[0])
     metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=str(uuid.uuid4()))
     tmp = path / f"{COMMIT_MARKER}.tmp"
     with open(tmp, "wb") as raw:
@@ -228,7 +230,8 @@ def write_metadata(path: Path, metadata: Metadata, written: Written) -> None:
     fsync_dir(path)
     written.nbytes += stream.pos
     written.files = manifest_of(metadata.storage_data, stream, COMMIT_MARKER)
-    fault_point("engine.after_commit")
+    if points[1] is not None:
+        fault_point(points[1])
 
 
 def skeleton_bytes(skeleton: Any) -> bytes:

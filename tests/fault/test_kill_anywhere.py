@@ -50,6 +50,8 @@ SYNC_ORDER = [
 # SIGKILLs a real run in the middle of an upload and stops the commit at each marker point.
 OBJECT_STORE_POINTS = ["objectstore.mid_upload", "objectstore.before_marker", "objectstore.after_marker",
                        "objectstore.marker_deleted"]
+# The memory tier's points are reached only with the tier on (--memory: a slot after every step).
+MEMORY_POINTS = ["memory.mid_copy", "memory.before_metadata", "memory.before_seal", "memory.after_seal"]
 # @1: killed while the very first checkpoint is written, so the restart is a fresh start.
 ASYNC_SUBSET = ["engine.after_shard_file@1", "recover.swap.new_checkpoint_in_place", "hf.before_publish", "hf.prune"]
 DDP_SUBSET = ["engine.after_shard_file", "recover.swap.old_info_moved", "hf.prune"]
@@ -80,7 +82,7 @@ def cases_by_point(doc: dict) -> dict[str, dict]:
 
 
 def test_sync_order_lists_every_point() -> None:
-    assert sorted(SYNC_ORDER + OBJECT_STORE_POINTS) == sorted(POINTS)
+    assert sorted(SYNC_ORDER + OBJECT_STORE_POINTS + MEMORY_POINTS) == sorted(POINTS)
 
 
 def test_every_fault_point_sync_and_a_subset_async_single_process(tmp_path) -> None:
@@ -89,7 +91,7 @@ def test_every_fault_point_sync_and_a_subset_async_single_process(tmp_path) -> N
     doc = certify(tmp_path, "--chain", "--jobs", "2", "--modes", "sync,async", "--strict",
                   "--points", "sync=" + ",".join(SYNC_ORDER), "--points", "async=" + ",".join(ASYNC_SUBSET))
     sync = {c["point"]: c for c in doc["cases"] if c["mode"] == "sync"}
-    assert set(sync) == set(POINTS) - set(OBJECT_STORE_POINTS)
+    assert set(sync) == set(POINTS) - set(OBJECT_STORE_POINTS) - set(MEMORY_POINTS)
     assert sorted(c["point"] for c in doc["cases"] if c["mode"] == "async") == sorted(
         p.partition("@")[0] for p in ASYNC_SUBSET)
     assert all(c["status"] == "pass" and c["killed"] for c in doc["cases"])
@@ -112,3 +114,27 @@ def test_ddp_two_ranks_unchained_and_a_point_not_reached(tmp_path) -> None:
         assert case["status"] == "pass" and case["link"] == 1
         assert len(case["resumed_from"]) == 2  # one "resumed from" line per rank
     assert not (tmp_path / "work").exists()  # everything passed: nothing kept
+
+
+def _replayed(case: dict) -> int:
+    """Steps trained twice (per rank) in a case, from certify's "yes (N replayed)"."""
+    return int(case["exact"].split("(")[1].split()[0])
+
+
+def test_memory_tier_every_point_on_one_rank_and_the_seal_on_two_ranks(tmp_path) -> None:
+    """The memory tier (a slot after every step, the shared tier every 4 steps): a SIGKILL at each of
+    its points, one process (chained), and before the background seal on 2 DDP ranks (the whole
+    group is killed): every rerun resumes from the newest step every rank sealed (certify's oracle reads the seals), the
+    losses are bit for bit the uninterrupted run's, and at most one step is trained twice."""
+    one = certify(tmp_path / "one", "--chain", "--jobs", "2", "--modes", "sync", "--strict",
+                  "--points", "sync=" + ",".join(MEMORY_POINTS), script_args=("--memory", "--no-hf"))
+    two = certify(tmp_path / "two", "--jobs", "1", "--modes", "sync", "--points", "memory.before_seal",
+                  script_args=("--memory", "--no-hf", "--devices", "2", "--samples", "48"))
+    assert sorted(c["point"] for c in one["cases"]) == sorted(MEMORY_POINTS)
+    for doc, ranks in ((one, 1), (two, 2)):
+        for case in doc["cases"]:
+            assert case["status"] == "pass" and case["killed"], case
+            assert case["expected_resume"] is not None and len(case["resumed_from"]) == ranks
+            assert _replayed(case) <= ranks, case  # at most one step trained twice on each rank
+    # a kill after the seal loses nothing; one before it, the step being sealed
+    assert any(_replayed(c) == 0 for c in one["cases"]) and any(_replayed(c) == 1 for c in one["cases"])

@@ -1,7 +1,7 @@
 """The training job of the kill-anywhere suite, written for ``areal-lightning certify``.
 
     python tests/fault/train_fault.py --root {root} --mode {mode} [--devices 2] [--no-hf]
-        [--epochs N] [--samples N] [--freq-steps N] [--hf-freq-steps N] [--max-keep N]
+        [--epochs N] [--samples N] [--freq-steps N] [--hf-freq-steps N] [--max-keep N] [--memory]
 
 A tiny Llama (1 layer, hidden size 16, attention dropout so the RNG state matters) learns
 random token sequences from a shuffled plain ``DataLoader`` with AdamW and a per-step LR
@@ -11,7 +11,8 @@ epoch 1 at its first step) and ``HFSaverCallback`` exports every ``--hf-freq-ste
 keeping ``--max-keep`` exports (so both the recover and the HF fault points are reached,
 max_keep deletions included), both in ``--mode``.
 ``areal_lightning.tools.certify.LossRecorder`` records every step's loss for certify.
-``--devices 2``: ``strategy="ddp"`` on 2 CPU processes (gloo).
+``--devices 2``: ``strategy="ddp"`` on 2 CPU processes (gloo). ``--memory``: the memory tier
+too, a slot after every step, in ``{root}/memory`` (where certify's oracle finds its seals).
 """
 
 from __future__ import annotations
@@ -62,13 +63,16 @@ def main() -> None:
     p.add_argument("--freq-steps", type=int, default=4)
     p.add_argument("--hf-freq-steps", type=int, default=3)
     p.add_argument("--max-keep", type=int, default=2)
+    p.add_argument("--memory", action="store_true", help="the memory tier too, every step, in {root}/memory")
     args = p.parse_args()
 
     pl.seed_everything(0, workers=True, verbose=False)
     g = torch.Generator().manual_seed(1234)
     data = DataLoader(TensorDataset(torch.randint(3, 16, (args.samples, 8), generator=g)), batch_size=4, shuffle=True)
     where = dict(fileroot=args.root, experiment_name="exp", trial_name="t", user="u")
-    callbacks = [LossRecorder(), RecoverCallback(**where, freq_steps=args.freq_steps, io_mode=args.mode)]
+    memory = {"root": os.path.join(args.root, "memory")} if args.memory else None
+    callbacks = [LossRecorder(), RecoverCallback(**where, freq_steps=args.freq_steps, io_mode=args.mode,
+                                                 memory=memory)]
     if not args.no_hf:
         callbacks.append(HFSaverCallback(**where, mode=args.mode, freq_steps=args.hf_freq_steps,
                                          max_keep=args.max_keep))

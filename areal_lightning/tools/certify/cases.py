@@ -19,7 +19,13 @@ from areal_lightning.layout import (
     RECOVER_INFO,
     STEP_INFO,
 )
-from areal_lightning.tools.certify.disk import check_exports, expected_resume, find_trials, leftovers
+from areal_lightning.tools.certify.disk import (
+    check_exports,
+    expected_memory_resume,
+    expected_resume,
+    find_trials,
+    leftovers,
+)
 from areal_lightning.tools.certify.process import _trace_counts, run_group
 from areal_lightning.tools.certify.protocol import END_CHECK, ENV_MODE, ENV_ROOT, _RESUMED
 
@@ -325,7 +331,10 @@ class Certifier:
                 assert case is not None
                 case.killed, case.killed_by = True, run.killed_by
                 main = root / ref.trials[0]
-                case.expected_resume = expected_resume(main) if main.is_dir() else None
+                shared = expected_resume(main) if main.is_dir() else None
+                memory = expected_memory_resume(root)  # a memory tier kept below the run's root
+                case.expected_resume = memory if memory is not None and (shared is None or memory >= shared) \
+                    else shared
                 killed.append(case)
                 awaiting.append(case)
                 continue

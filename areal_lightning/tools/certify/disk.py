@@ -13,6 +13,7 @@ from areal_lightning.layout import (
     HF_INDEX,
     LEFTOVER_PREFIXES,
     LOCK_FILE,
+    MEMORY_SEAL,
     OLD_PREFIX,
     RECOVER_CHECKPOINT,
     RECOVER_INFO,
@@ -65,6 +66,26 @@ def expected_resume(trial: Path) -> int | None:
     if (info / CHECKPOINT_INFO).is_file():
         return _step_of(info)
     return None
+
+
+def expected_memory_resume(root: Path) -> int | None:
+    """The global step (0-based) the memory tiers below ``root`` hold for a rerun: the newest
+    step whose ``SEALED.json`` exists in a slot of every rank (``rank{r}/slot{k}/``, the world
+    size as the seals say), read from the documented layout only; ``None``: no such step."""
+    held: dict[Path, dict[int, set[int]]] = {}
+    worlds: dict[Path, int] = {}
+    for seal in root.rglob(MEMORY_SEAL) if root.is_dir() else ():
+        try:
+            doc = json.loads(seal.read_text())
+            rank, step = int(seal.parent.parent.name[len("rank"):]), int(doc["info"][STEP_INFO]["global_step"])
+        except (OSError, ValueError, KeyError):
+            continue
+        tier = seal.parent.parent.parent
+        held.setdefault(tier, {}).setdefault(rank, set()).add(step)
+        worlds[tier] = int(doc["world_size"])
+    steps = [max(set.intersection(*ranks.values())) for tier, ranks in held.items()
+             if len(ranks) == worlds[tier] and set.intersection(*ranks.values())]
+    return max(steps) if steps else None
 
 
 def leftovers(trial: Path) -> list[str]:

@@ -1,0 +1,432 @@
+"""Commit: the node-local memory tier -- each rank's newest states in slots on tmpfs, sealed.
+
+``{root}/{user}/{experiment}/{trial}/{name}/rank{r}/slot{k}/`` (``root``: ``/dev/shm/areal-lightning``
+by default) holds one rank-local recover checkpoint per slot (:mod:`areal_lightning.write.slot`:
+the same content and format as this rank's part of a recover checkpoint), then ``SEALED.json``,
+written last: the step, a serial number, the world size, the CRC32C of ``.metadata`` (which
+holds every item's CRC32C) and the ``recover_info`` of the save. Files on tmpfs outlive the
+process that wrote them, SIGKILL included, with no keeper process.
+
+Writing (:meth:`MemoryTier.write`, every rank at the save point): the next slot is the oldest
+one that is not the newest sealed one, so a sealed state is never overwritten before a newer
+one is sealed; it is unsealed first (its seal removed), then the state is copied into its
+mapped file (the part training waits for), then, in one background thread, the checksums,
+``.metadata`` and the seal. No step is skipped: a slot still being finished is waited for, and
+the wait is reported as the stall.
+
+Resuming (:meth:`MemoryTier.choose`, collective): every rank reports the steps it sealed; the
+newest step sealed by every rank (with the run's world size), not older than the shared tier's
+checkpoint, is verified by every rank (the seal, ``.metadata``'s CRC32C, every item's CRC32C);
+a step some rank cannot restore is skipped (the next older one is tried, then the shared
+tier), and the log names what was skipped and why. Every slot but the chosen one is unsealed:
+the run goes on from the chosen step, or from the shared tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from areal_lightning._fault import fault_point
+from areal_lightning.collective import CheckpointGroup
+from areal_lightning.commit.manifest import verify_files
+from areal_lightning.config import MEMORY_ROOT, MemoryConfig
+from areal_lightning.errors import AreaLightningError, CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
+from areal_lightning.write.checksum import Written, file_crc32c
+from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
+from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
+from areal_lightning.write.slot import SlotFile
+
+__all__ = ["MemoryTier", "Seal", "Chosen", "MemorySpaceError", "tier_folder", "local_nbytes", "SEAL_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+SEAL_FORMAT = 1
+
+
+class MemorySpaceError(AreaLightningError, OSError):
+    """The memory tier's folder has too little free space for its slots (the message gives the numbers)."""
+
+
+def tier_folder(root: str | None, user: str, experiment: str, trial: str, name: str) -> Path:
+    """The memory tier folder of one trial's model ``name`` under ``root`` (``None``: the default on /dev/shm)."""
+    return Path(root if root is not None else MEMORY_ROOT) / user / experiment / trial / name
+
+
+@dataclass
+class Seal:
+    """A sealed slot of this rank (what ``SEALED.json`` says)."""
+
+    slot: int
+    path: Path
+    global_step: int
+    serial: int
+    world_size: int
+    lineage: int | None
+    """The global step of this run's newest shared save (started or resumed from) when the slot
+    was written, ``None`` when there was none."""
+    metadata_crc32c: int
+    info: dict[str, Any] = field(repr=False)
+
+
+@dataclass
+class Chosen:
+    """The step a resume takes from the memory tier: this rank's slot and rank 0's ``recover_info``."""
+
+    seal: Seal
+    info: dict[str, Any]
+    nbytes: int
+    check_s: float
+
+
+def _read_seal(folder: Path, slot: int) -> Seal | None:
+    try:
+        doc = json.loads((folder / MEMORY_SEAL).read_text())
+        if doc.get("format") != SEAL_FORMAT:
+            return None
+        return Seal(slot, folder, int(doc["global_step"]), int(doc["serial"]), int(doc["world_size"]),
+                    doc.get("lineage"), int(doc["metadata_crc32c"]), doc["info"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def local_nbytes(state: Any) -> int:
+    """Bytes of this rank's part of every tensor in a nested state (a sharded tensor's local shard)."""
+    total = 0
+
+    def walk(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj.local_tensor() if hasattr(obj, "local_tensor") \
+                else obj
+            total += local.numel() * local.element_size()
+        elif isinstance(obj, Mapping):
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value)
+
+    walk(state)
+    return total
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _unseal(folder: Path) -> None:
+    for name in (MEMORY_SEAL, COMMIT_MARKER):
+        (folder / name).unlink(missing_ok=True)
+
+
+class MemoryTier:
+    """One rank's part of the memory tier of a trial (see the module doc).
+
+    Args:
+        config: the validated ``recover.memory`` section.
+        folder: the trial's tier folder (:func:`tier_folder`).
+        rank: this process's global rank.
+        ranks_per_node: ranks sharing this node's tmpfs (for the free-space check).
+    """
+
+    def __init__(self, config: MemoryConfig, folder: Path, rank: int, ranks_per_node: int = 1) -> None:
+        self.config = config
+        self.folder = folder
+        self.rank = rank
+        self.ranks_per_node = max(1, ranks_per_node)
+        self._files: dict[int, SlotFile] = {}
+        self._busy: dict[int, tuple[int, Future]] = {}  # slot -> (serial, its background part)
+        self._sealed: dict[int, int] = {}  # slot -> its sealed serial (this process's view)
+        self._serial = 0
+        self._newest: int | None = None  # the slot of the newest sealed state (never the next one written)
+        self._last_step: int | None = None
+        self._checked: tuple[Any, ...] | None = None  # the layout whose free space was checked
+        self._thread: ThreadPoolExecutor | None = None
+        self._failure: BaseException | None = None
+        self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (sharded tensors)
+        self.last_copy_s = 0.0
+        """Seconds the last :meth:`write` held training (flatten, skeleton, the copy into the slot)."""
+        self.last_stall_s = 0.0
+        """Seconds the last :meth:`write` waited for a slot still being finished."""
+        self.last_written: Written | None = None
+
+    @property
+    def rank_folder(self) -> Path:
+        return self.folder / f"rank{self.rank}"
+
+    def slot_folder(self, slot: int) -> Path:
+        return memory_slot(self.folder, self.rank, slot)
+
+    def due(self, global_step: int) -> bool:
+        """Whether the save point after ``global_step`` optimizer steps writes a slot."""
+        return global_step > 0 and global_step % self.config.freq_steps == 0 and global_step != self._last_step
+
+    # -- what this rank holds -------------------------------------------------------------
+
+    def _slot_numbers(self) -> list[int]:
+        """The slots of this rank that exist on disk (of this configuration's ``slots``)."""
+        found = []
+        for path in self.rank_folder.glob("slot*") if self.rank_folder.is_dir() else ():
+            number = path.name[len("slot"):]
+            if number.isdigit() and int(number) < self.config.slots:
+                found.append(int(number))
+        return sorted(found)
+
+    def held(self) -> list[Seal]:
+        """This rank's sealed slots, newest first (by serial)."""
+        seals = [seal for k in self._slot_numbers() if (seal := _read_seal(self.slot_folder(k), k)) is not None]
+        return sorted(seals, key=lambda s: s.serial, reverse=True)
+
+    def verify(self, seal: Seal) -> tuple[str | None, int]:
+        """Check a sealed slot: ``.metadata``'s CRC32C against the seal, every item's CRC32C.
+        Returns (``None`` or why it cannot be restored, bytes read)."""
+        try:
+            if file_crc32c(seal.path / COMMIT_MARKER) != seal.metadata_crc32c:
+                return f"{seal.path / COMMIT_MARKER} fails its CRC32C check", 0
+            return None, verify_files(seal.path, "the slot is damaged")
+        except (OSError, CheckpointCorruptError) as exc:
+            return str(exc), 0
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def choose(self, ranks: CheckpointGroup, world_size: int, shared_step: int | None,
+               fresh_start: bool = False) -> Chosen | None:
+        """Collective: the newest step every rank sealed and can restore, if not older than the
+        shared tier's ``shared_step`` (``None``: the shared tier has no checkpoint); every other
+        slot of this rank is unsealed (see the module doc). Logs what was skipped and why.
+        ``fresh_start``: the user deleted the shared tier's ``recover_info`` (the documented
+        fresh start): slots that follow a shared save are not taken."""
+        start = time.perf_counter()
+        mine = self.held()
+        # Duplicates of a step (none are written, but a copied folder could hold them): the newest serial.
+        by_step: dict[int, Seal] = {}
+        for seal in reversed(mine):
+            by_step[seal.global_step] = seal
+        report = {step: (seal.world_size, seal.lineage) for step, seal in by_step.items()}
+        everyone = ranks.agree(None, "memory tier: the steps each rank holds", report) if world_size > 1 else [report]
+        skipped: list[str] = []
+        steps = sorted(set().union(*(set(r) for r in everyone)), reverse=True)
+        chosen: Chosen | None = None
+        for step in steps:
+            missing = [r for r, held in enumerate(everyone) if step not in held]
+            worlds = {held[step][0] for held in everyone if step in held}
+            if shared_step is not None and step < shared_step:
+                break
+            if missing:
+                skipped.append(f"step {step}: not sealed by rank(s) {', '.join(map(str, missing[:8]))}")
+                continue
+            if worlds != {world_size}:
+                skipped.append(f"step {step}: written by {sorted(worlds)} rank(s), this run has {world_size}")
+                continue
+            lineage = everyone[0][step][1]
+            if fresh_start and lineage is not None:
+                skipped.append(f"step {step}: it follows the shared save of global step {lineage}, whose "
+                               "recover_info is gone (deleted: a fresh start)")
+                continue
+            reason, nbytes = self.verify(by_step[step])
+            info = by_step[step].info if self.rank == 0 else None
+            answers = ranks.agree(None, "memory tier: the slots check", (reason, info)) if world_size > 1 \
+                else [(reason, info)]
+            bad = [f"rank {r}: {why}" for r, (why, _) in enumerate(answers) if why is not None]
+            if bad:
+                skipped.append(f"step {step}: {'; '.join(bad[:4])}")
+                continue
+            chosen = Chosen(by_step[step], answers[0][1], nbytes, time.perf_counter() - start)
+            break
+        if skipped and self.rank == 0:
+            log.warning("RecoverCallback: memory tier %s: skipped %s; %s", self.folder, " | ".join(skipped),
+                        f"resuming from its step {chosen.seal.global_step}" if chosen is not None
+                        else "using the shared tier")
+        self._keep_only(chosen.seal if chosen is not None else None)
+        return chosen
+
+    def discard(self) -> None:
+        """Unseal every slot (this fit does not continue from the memory tier: a fresh start, or
+        an explicit ``ckpt_path``): a later crash must not resume a state of another run."""
+        self._keep_only(None)
+
+    def _keep_only(self, seal: Seal | None) -> None:
+        """Unseal every slot but ``seal``'s; the next write goes to another slot."""
+        for k in self._slot_numbers():
+            if seal is None or k != seal.slot:
+                _unseal(self.slot_folder(k))
+        self._newest = seal.slot if seal is not None else None
+        self._sealed = {seal.slot: seal.serial} if seal is not None else {}
+        self._serial = seal.serial if seal is not None else 0
+        self._last_step = seal.global_step if seal is not None else None
+
+    # -- write ------------------------------------------------------------------------------
+
+    def write(self, checkpoint: Mapping[str, Any], *, global_step: int, world_size: int, lineage: int | None,
+              info: dict[str, Any]) -> None:
+        """Write this rank's state into the next slot and seal it in the background (see the
+        module doc); raises a failure of an earlier slot's background part."""
+        self._raise_failure()
+        start = time.perf_counter()
+        slot = self._next_slot()
+        self._raise_failure()
+        self.last_stall_s = time.perf_counter() - start
+        folder = self.slot_folder(slot)
+        folder.mkdir(parents=True, exist_ok=True)
+        _unseal(folder)
+        self._sealed.pop(slot, None)
+        flat = flatten(checkpoint)
+        skeleton = skeleton_bytes(flat.pop(SKELETON_KEY))
+        key = signature(flat, pinned=False)
+        written = Written()
+        if key is None:  # sharded tensors: DCP plans and writes the slot (rank-local, in this thread)
+            self._drop_file(slot)
+            self._dcp_engine().save(checkpoint, folder)
+            written = self._engine.last_written or written
+            finish = None
+        else:
+            file = self._files.get(slot)
+            if file is None or file.key != key:
+                self._drop_file(slot)
+                layout = ByteLayout(key, 1)
+                self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
+                file = self._files[slot] = SlotFile(folder, layout)
+            file.copy(flat)
+            finish = file
+        self._serial += 1
+        seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,
+                "rank": self.rank, "lineage": lineage, "time": time.time(), "info": info}
+        self._last_step = global_step
+        self.last_copy_s = time.perf_counter() - start - self.last_stall_s
+        self.last_written = written
+        self._busy[slot] = (self._serial, self._background().submit(self._finish, slot, finish, skeleton, written,
+                                                                     seal))
+
+    def _finish(self, slot: int, file: SlotFile | None, skeleton: bytes, written: Written,
+                seal: dict[str, Any]) -> None:
+        try:
+            folder = self.slot_folder(slot)
+            if file is not None:
+                file.finish(skeleton, written)
+            fault_point("memory.before_seal")
+            seal["metadata_crc32c"] = file_crc32c(folder / COMMIT_MARKER)
+            tmp = folder / f"{MEMORY_SEAL}.tmp"
+            tmp.write_text(json.dumps(seal))
+            os.replace(tmp, folder / MEMORY_SEAL)
+            self._sealed[slot] = seal["serial"]
+            self._newest = slot
+            fault_point("memory.after_seal")
+        except BaseException as exc:  # noqa: BLE001 - raised by the next write / wait
+            self._failure = exc
+            raise
+
+    def _next_slot(self) -> int:
+        """The slot written next: one neither being finished nor holding the newest sealed state
+        (unsealed ones first, then the oldest); when there is none, wait for the oldest slot
+        being finished (the stall), whose seal frees the one sealed before it."""
+        while True:
+            for k, (_, busy) in list(self._busy.items()):
+                if busy.done():
+                    del self._busy[k]
+            for k in range(self.config.slots):  # an unsealed slot first
+                if k not in self._busy and k != self._newest and k not in self._sealed:
+                    return k
+            free = [k for k in self._sealed if k not in self._busy and k != self._newest]
+            if free:
+                return min(free, key=lambda k: self._sealed[k])
+            oldest = min(self._busy, key=lambda k: self._busy[k][0])
+            try:
+                self._busy.pop(oldest)[1].result()
+            except BaseException:  # noqa: BLE001 - kept in _failure, raised by write()
+                pass
+
+    def check_space(self, shard: int) -> None:
+        """Before training: the node's tmpfs must hold every local rank's slots (and replicas) of
+        a state of ``shard`` bytes (this rank's tensors now: optimizer states made at the first
+        step are checked by its write); raises :class:`MemorySpaceError` with the numbers."""
+        self._check_space(None, shard)
+
+    def _check_space(self, key: tuple[Any, ...] | None, shard: int) -> None:
+        """The first write of a layout: the node's tmpfs must hold every local rank's slots (and
+        replicas); raises :class:`MemorySpaceError` with the numbers, before writing anything."""
+        if key is not None and self._checked == key:
+            return
+        self._checked = key
+        need = self.ranks_per_node * self.config.slots * shard * (1 + self.config.replicas)
+        mine = sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file()) if self.folder.exists() else 0
+        stat = os.statvfs(_existing(self.folder))
+        free = stat.f_bavail * stat.f_frsize + mine
+        if free < need:
+            raise MemorySpaceError(
+                f"recover.memory: {self.folder} has {free / 1e9:.2f} GB free (this trial's slots included), the "
+                f"memory tier needs {need / 1e9:.2f} GB: {self.ranks_per_node} rank(s) on this node x "
+                f"{self.config.slots} slots x {shard / 1e9:.3f} GB per rank's state x (1 + {self.config.replicas} "
+                f"replicas). Free space on that file system (df -h {_existing(self.folder)}), "
+                f"lower recover.memory.slots, or set recover.memory.root to a larger tmpfs")
+
+    def _dcp_engine(self) -> Any:
+        if self._engine is None:
+            from areal_lightning.write.dcp import DCPEngine
+
+            self._engine = DCPEngine(thread_count=1, collective=False)
+        return self._engine
+
+    def _drop_file(self, slot: int) -> None:
+        file = self._files.pop(slot, None)
+        if file is not None:
+            file.close()
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-tier")
+        return self._thread
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise CheckpointWriteError(f"memory tier slot in {self.rank_folder} failed: {failure!r}") from failure
+
+    # -- end --------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Until every slot written is sealed; raises a background failure."""
+        for _, busy in list(self._busy.values()):
+            try:
+                busy.result()
+            except BaseException:  # noqa: BLE001 - kept in _failure, raised below
+                pass
+        self._busy.clear()
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Wait for the background part (its failure is logged), drop the mappings; the slots stay."""
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001 - close runs after errors too
+            log.error("RecoverCallback: %s", exc)
+        for slot in list(self._files):
+            self._drop_file(slot)
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def remove(self) -> None:
+        """Delete this rank's slots (``fit`` ended normally), then the tier's folders left empty."""
+        self.close()
+        shutil.rmtree(self.rank_folder, ignore_errors=True)
+        for parent in (self.folder, *list(self.folder.parents)[:3]):
+            try:
+                parent.rmdir()
+            except OSError:
+                break

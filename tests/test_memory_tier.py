@@ -1,0 +1,193 @@
+"""The memory tier of RecoverCallback, in process: configuration, resume from the newest sealed
+step, damaged slots, stale slots, free space.
+
+Crashes here are exceptions raised from a callback before the step's save point (the slots on
+disk are what a SIGKILL leaves: the background seal of the previous step is finished by the
+session's close). The SIGKILLs at the tier's fault points, on 1 and 2 ranks, are in
+``tests/fault/test_kill_anywhere.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from areal_lightning import ConfigError, RecoverCallback
+from areal_lightning.commit.memory_tier import MemorySpaceError, tier_folder
+from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL
+from tests.conftest import Crash, CrashAt, make_trainer
+
+WHERE = dict(experiment_name="e", trial_name="t", user="u")
+
+
+class Net(pl.LightningModule):
+    """Dropout (RNG), BatchNorm (buffers updated in the forward), an EMA updated in the module's own
+    hook, AdamW with a per-step schedule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+        self.register_buffer("ema", torch.zeros(1))
+        self.losses: dict[int, str] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses[self.trainer.global_step + 1] = loss.item().hex()
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ema.mul_(0.9).add_(0.1 * outputs["loss"].detach())
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(7)
+    return DataLoader(TensorDataset(torch.randn(40, 6, generator=g), torch.randn(40, 1, generator=g)),
+                      batch_size=4, shuffle=True)
+
+
+def run(root: Path, crash: int | None = None, memory: Any = True, freq_steps: int | None = 4) -> Net:
+    """One fit of 2 epochs of 10 steps; the shared tier every ``freq_steps`` steps, the memory tier in
+    ``{root}/shm``; ``crash``: an exception at that step, before its save point."""
+    pl.seed_everything(0, verbose=False)
+    net = Net()
+    if memory is True:
+        memory = {"root": str(root / "shm")}
+    recover = RecoverCallback(fileroot=str(root), **WHERE, freq_steps=freq_steps, memory=memory)
+    trainer = make_trainer(([CrashAt(crash)] if crash else []) + [recover])
+    if crash:
+        with pytest.raises(Crash):
+            trainer.fit(net, loader())
+    else:
+        trainer.fit(net, loader())
+    return net
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, str]:
+    """The uninterrupted run's loss of every step (memory tier off)."""
+    return run(tmp_path_factory.mktemp("reference"), memory=None).losses
+
+
+def tier(root: Path) -> Path:
+    return tier_folder(str(root / "shm"), "u", "e", "t", "default")
+
+
+def seals(root: Path) -> dict[int, int]:
+    """slot -> the global step its seal holds (rank 0)."""
+    out = {}
+    for seal in sorted((tier(root) / "rank0").glob(f"slot*/{MEMORY_SEAL}")):
+        out[int(seal.parent.name[4:])] = json.loads(seal.read_text())["global_step"]
+    return out
+
+
+def slot_of(root: Path, step: int) -> Path:
+    return next(tier(root) / "rank0" / f"slot{k}" for k, s in seals(root).items() if s == step)
+
+
+def flip_a_byte(slot: Path) -> None:
+    data = slot / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x40
+    data.write_bytes(bytes(raw))
+
+
+def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is_removed_at_the_end(
+        tmp_path, reference, caplog) -> None:
+    first = run(tmp_path, crash=7)  # shared tier: step 4; memory tier: steps 5 and 6
+    assert seals(tmp_path) == {0: 5, 1: 6} or seals(tmp_path) == {0: 6, 1: 5}
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        second = run(tmp_path)
+    assert "resuming from the memory tier" in caplog.text
+    assert "after global step 5 " in caplog.text  # step_info numbering: the 6th step
+    assert min(second.losses) == 7  # at most one step (the 7th) trained twice
+    assert {**first.losses, **second.losses} == reference
+    assert not tier(tmp_path).exists()  # fit ended normally: the tier's folders are gone
+
+
+@pytest.mark.parametrize("damaged", ["newest", "both"])
+def test_a_flipped_byte_falls_back_to_the_older_slot_then_to_the_shared_tier(tmp_path, reference, caplog,
+                                                                              damaged) -> None:
+    first = run(tmp_path, crash=7)
+    flip_a_byte(slot_of(tmp_path, 6))
+    if damaged == "both":
+        (slot_of(tmp_path, 5) / COMMIT_MARKER).write_bytes(b"not a pickle")
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        second = run(tmp_path)
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage() and "memory tier" in r.getMessage()]
+    assert len(skipped) == 1, caplog.text  # one line names every step skipped and why
+    assert "step 6: rank 0:" in skipped[0] and "CRC32C" in skipped[0]
+    if damaged == "newest":
+        assert "resuming from its step 5" in skipped[0]
+        assert "resuming from the memory tier" in caplog.text and min(second.losses) == 6
+    else:
+        assert "step 5: rank 0:" in skipped[0] and "using the shared tier" in skipped[0]
+        assert "resuming from the shared tier" in caplog.text and min(second.losses) == 5
+    assert {**first.losses, **second.losses} == reference
+
+
+def test_a_fresh_start_after_deleting_recover_info_does_not_take_the_old_slots(tmp_path, reference, caplog) -> None:
+    run(tmp_path, crash=7)
+    shutil.rmtree(tmp_path / "checkpoints" / "u" / "e" / "t" / "recover_info")  # the documented fresh start
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        second = run(tmp_path)
+    assert "whose recover_info is gone (deleted: a fresh start)" in caplog.text
+    assert second.losses == reference  # from step 1
+
+
+def test_before_the_first_shared_save_the_memory_tier_alone_resumes(tmp_path, reference) -> None:
+    first = run(tmp_path, crash=3, freq_steps=None)  # no shared tier at all
+    second = run(tmp_path, freq_steps=None)
+    assert min(second.losses) == 3 and {**first.losses, **second.losses} == reference
+
+
+def test_too_little_space_is_refused_with_the_numbers_before_training(tmp_path) -> None:
+    net = Net()
+    recover = RecoverCallback(fileroot=str(tmp_path), **WHERE, memory={"root": str(tmp_path / "shm"),
+                                                                      "slots": 10 ** 9})
+    with pytest.raises(MemorySpaceError, match=r"needs .* GB: 1 rank\(s\) on this node x 1000000000 slots") as err:
+        make_trainer([recover]).fit(net, loader())
+    assert "recover.memory.slots" in str(err.value) and "df -h" in str(err.value)
+    assert net.losses == {}  # refused before the first step
+    assert not list((tmp_path / "shm").rglob(MEMORY_SEAL))
+
+
+@pytest.mark.parametrize("memory, field", [
+    ({"slots": 1}, "memory.slots"),
+    ({"replicas": 2}, "memory.replicas"),
+    ({"freq_steps": 0}, "memory.freq_steps"),
+    ({"root": "s3://bucket/x"}, "memory.root"),
+    ({"size": 3}, "memory.size"),
+    ("yes", "memory"),
+])
+def test_bad_memory_settings_name_the_field_and_the_allowed_values(tmp_path, memory, field) -> None:
+    with pytest.raises(ConfigError) as err:
+        RecoverCallback(fileroot=str(tmp_path), **WHERE, memory=memory)
+    assert err.value.field == field
+
+
+def test_the_yaml_section_turns_the_tier_on_and_its_errors_name_the_yaml_path(tmp_path) -> None:
+    cfg = {"fileroot": str(tmp_path), **{k: v for k, v in WHERE.items()},
+           "recover": {"mode": "on", "memory": {"enabled": True, "slots": 3}}}
+    recover = RecoverCallback.from_config(cfg)
+    assert recover.config.memory.enabled and recover.config.memory.slots == 3
+    assert recover.config.memory.freq_steps == 1 and recover.config.memory.replicas == 0
+    assert not RecoverCallback.from_config({**cfg, "recover": {"mode": "on"}}).config.memory.enabled
+    with pytest.raises(ConfigError) as err:
+        RecoverCallback.from_config({**cfg, "recover": {"mode": "on", "memory": {"replicas": 3}}})
+    assert err.value.field == "recover.memory.replicas"
