@@ -69,6 +69,8 @@ POINTS: dict[str, str] = {
                               "(background thread)",
     "memory.before_seal": "the slot's .metadata written, before SEALED.json (background thread)",
     "memory.after_seal": "SEALED.json renamed into place: the slot holds the step (background thread)",
+    "memory.mid_persist": "a shared-tier save from the memory tier: this rank's data file copied from its slot, "
+                          "before every rank agrees and rank 0 writes .metadata and commits (background thread)",
     # object stores (write/objectstore_fs.py): a DCP file's multipart upload is under way (every rank)
     "objectstore.mid_upload": "the first part of a data file's multipart upload is sent; the object is not "
                               "complete (writer threads; async: background thread)",

@@ -168,11 +168,13 @@ class CheckpointGroup:
             _track(self)
         return self._local
 
-    def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+    def agree(self, error: BaseException | None, what: str, payload: Any = None, *,
+              background: bool = False) -> list[Any]:
         """Exchange ``error`` (this rank's failure or ``None``) and ``payload`` with every rank.
 
         Returns every rank's payload when no rank failed; raises on every rank otherwise.
-        Without an active multi-rank process group it raises ``error`` or returns ``[payload]``."""
+        Without an active multi-rank process group it raises ``error`` or returns ``[payload]``.
+        ``background``: on :attr:`background_group` (from a background thread)."""
         if not self.active():
             if error is not None:
                 raise error
@@ -185,7 +187,7 @@ class CheckpointGroup:
             mine = (f"{what}: cannot send this rank's report: {exc!r}"[:2000], None)
         reports: list[Any] = [None] * dist.get_world_size()
         try:
-            dist.all_gather_object(reports, mine, group=self.group)
+            dist.all_gather_object(reports, mine, group=self.background_group if background else self.group)
         except Exception as exc:  # a rank died or hangs: gloo's timeout
             if error is not None:
                 raise error from exc

@@ -6,6 +6,8 @@ the resume equal the uninterrupted run's, bit for bit."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +78,35 @@ def test_every_rank_resumes_its_own_state_bit_for_bit(name, tmp_path, tmp_path_f
     assert "rank 0's copy" in caplog.text and any(plain_name(k) in caplog.text for k in own), caplog.text
     mine = final(tmp_path, 0)["state"]
     assert all(torch.equal(converted["state_dict"][plain_name(k)], mine[k]) for k in own), own
+
+
+def test_the_memory_tier_and_the_shared_tier_copied_from_it_give_each_rank_its_own_state(
+        tmp_path, tmp_path_factory, caplog) -> None:
+    """The actor-critic on 2 ranks with the memory tier (a slot every step; the shared tier every 3
+    steps, copied from the slots, rank 1's own tensors stored per rank). Killed mid-epoch: the
+    rerun resumes from the memory tier; killed again and the memory tier deleted (its node lost,
+    no replica): the third run resumes from the shared tier. Every rank's losses, state and
+    eval-mode output equal the uninterrupted run's (without the tier), bit for bit."""
+    model, ranks, epochs, _, options = CASES["per-rank-buffers-manual-optimization-2-ranks"]
+    ref_root, ref = reference_run(tmp_path_factory, command(model, ranks, epochs, "{root}", options), timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    runs = []
+    for kill in (16, 22, None):  # global steps (2 a batch): batch 8, then batch 11
+        if kill is None:  # after the second kill
+            assert list((tmp_path / "memory").rglob("SEALED.json"))
+            shutil.rmtree(tmp_path / "memory")
+        extra = ("--memory",) + (("--kill-at-step", str(kill)) if kill else ())
+        runs.append(subprocess.run(command(model, ranks, epochs, str(tmp_path), options, *extra),
+                                   capture_output=True, text=True, timeout=600, cwd=REPO))
+        assert (runs[-1].returncode == 0) == (kill is None), runs[-1].stderr[-3000:]
+    logs = [run.stderr + run.stdout for run in runs]
+    assert "resuming from the memory tier" in logs[1] and "after global step 13 " in logs[1]  # global step 14
+    # the shared tier's newest commit: global step 18, or 12 when the background copy of 18 was not
+    # committed yet when the run was killed (written every 3 steps, from the slots)
+    assert re.search(r"resuming from the shared tier, \S+ after global step (17|11) ", logs[2]), logs[2][-3000:]
+    want, got = rank_losses(ref_root, ranks), rank_losses(tmp_path, ranks)
+    assert got == want
+    for rank in range(ranks):
+        a, b = final(ref_root, rank), final(tmp_path, rank)
+        assert [k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])] == []
+        assert torch.equal(a["probe"], b["probe"])

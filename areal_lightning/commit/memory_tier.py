@@ -32,7 +32,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from areal_lightning._fault import fault_point
@@ -44,6 +44,8 @@ from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
 from areal_lightning.write.checksum import Written, file_crc32c
 from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
 from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
+from areal_lightning.write.persist import persist as persist_slot
+from areal_lightning.write.persist import resume_view
 from areal_lightning.write.slot import SlotFile
 
 __all__ = ["MemoryTier", "Seal", "Chosen", "MemorySpaceError", "tier_folder", "local_nbytes", "SEAL_FORMAT"]
@@ -86,6 +88,8 @@ class Chosen:
     info: dict[str, Any]
     nbytes: int
     check_s: float
+    path: Path | None = None
+    """The folder this rank loads (:func:`~areal_lightning.write.persist.resume_view`)."""
 
 
 def _read_seal(folder: Path, slot: int) -> Seal | None:
@@ -155,6 +159,10 @@ class MemoryTier:
         self._last_step: int | None = None
         self._checked: tuple[Any, ...] | None = None  # the layout whose free space was checked
         self._thread: ThreadPoolExecutor | None = None
+        self._persister: ThreadPoolExecutor | None = None
+        self._reading: dict[int, tuple[int, Future]] = {}  # slot -> (serial, the shared-tier save reading it)
+        self._persist_failure: BaseException | None = None
+        self._last_slot: int | None = None  # the slot of the last write
         self._failure: BaseException | None = None
         self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (sharded tensors)
         self.last_copy_s = 0.0
@@ -166,6 +174,11 @@ class MemoryTier:
     @property
     def rank_folder(self) -> Path:
         return self.folder / f"rank{self.rank}"
+
+    @property
+    def view_folder(self) -> Path:
+        """Where a resume puts this rank's view of the chosen step (removed by the next write)."""
+        return self.rank_folder / "resume"
 
     def slot_folder(self, slot: int) -> Path:
         return memory_slot(self.folder, self.rank, slot)
@@ -246,6 +259,9 @@ class MemoryTier:
                 continue
             chosen = Chosen(by_step[step], answers[0][1], nbytes, time.perf_counter() - start)
             break
+        if chosen is not None:  # what this rank loads: the shared checkpoint's view of this step
+            shutil.rmtree(self.view_folder, ignore_errors=True)
+            chosen.path = resume_view(chosen.seal.path, self.view_folder, ranks)
         if skipped and self.rank == 0:
             log.warning("RecoverCallback: memory tier %s: skipped %s; %s", self.folder, " | ".join(skipped),
                         f"resuming from its step {chosen.seal.global_step}" if chosen is not None
@@ -276,6 +292,8 @@ class MemoryTier:
         module doc); raises a failure of an earlier slot's background part."""
         self._raise_failure()
         start = time.perf_counter()
+        if self._last_step is not None and self._last_slot is None:  # the first write after a resume
+            shutil.rmtree(self.view_folder, ignore_errors=True)
         slot = self._next_slot()
         self._raise_failure()
         self.last_stall_s = time.perf_counter() - start
@@ -309,6 +327,43 @@ class MemoryTier:
         self.last_written = written
         self._busy[slot] = (self._serial, self._background().submit(self._finish, slot, finish, skeleton, written,
                                                                      seal))
+        self._last_slot = slot
+
+    def persist(self, out: Path, ranks: CheckpointGroup, then: Callable[[Written], None] | None) -> None:
+        """Collective: write the shared tier's checkpoint folder ``out`` from the slot of the last
+        :meth:`write` (every rank's), in the background once the slot is sealed
+        (:func:`~areal_lightning.write.persist.persist`; rank 0 commits with ``then``). The slot
+        is not written again until it is copied; a failure is raised by :meth:`wait_persist`."""
+        slot = self._last_slot
+        if slot is None:
+            raise CheckpointWriteError("the memory tier has no slot to persist (none written by this run)")
+        serial, sealing = self._busy.get(slot, (self._serial, None))
+
+        def job() -> None:
+            try:
+                if sealing is not None:
+                    sealing.result()
+                persist_slot(self.slot_folder(slot), out, ranks, then)
+            except BaseException as exc:  # noqa: BLE001 - raised by wait_persist
+                self._persist_failure = exc
+                raise
+
+        if self._persister is None:
+            self._persister = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-persist")
+        self._reading[slot] = (serial, self._persister.submit(job))
+
+    def wait_persist(self) -> None:
+        """Until the shared-tier saves from the memory tier are committed; raises their failure."""
+        for _, reading in list(self._reading.values()):
+            try:
+                reading.result()
+            except BaseException:  # noqa: BLE001 - kept in _persist_failure, raised below
+                pass
+        self._reading.clear()
+        if self._persist_failure is not None:
+            failure, self._persist_failure = self._persist_failure, None
+            raise CheckpointWriteError(f"shared-tier save from the memory tier ({self.rank_folder}) failed: "
+                                       f"{failure!r}") from failure
 
     def _finish(self, slot: int, file: SlotFile | None, skeleton: bytes, written: Written,
                 seal: dict[str, Any]) -> None:
@@ -333,19 +388,21 @@ class MemoryTier:
         (unsealed ones first, then the oldest); when there is none, wait for the oldest slot
         being finished (the stall), whose seal frees the one sealed before it."""
         while True:
-            for k, (_, busy) in list(self._busy.items()):
-                if busy.done():
-                    del self._busy[k]
+            for pending in (self._busy, self._reading):
+                for k, (_, future) in list(pending.items()):
+                    if future.done():
+                        del pending[k]
+            taken = set(self._busy) | set(self._reading)
             for k in range(self.config.slots):  # an unsealed slot first
-                if k not in self._busy and k != self._newest and k not in self._sealed:
+                if k not in taken and k != self._newest and k not in self._sealed:
                     return k
-            free = [k for k in self._sealed if k not in self._busy and k != self._newest]
+            free = [k for k in self._sealed if k not in taken and k != self._newest]
             if free:
                 return min(free, key=lambda k: self._sealed[k])
-            oldest = min(self._busy, key=lambda k: self._busy[k][0])
+            waits = [(serial, future) for serial, future in (*self._busy.values(), *self._reading.values())]
             try:
-                self._busy.pop(oldest)[1].result()
-            except BaseException:  # noqa: BLE001 - kept in _failure, raised by write()
+                min(waits, key=lambda w: w[0])[1].result()
+            except BaseException:  # noqa: BLE001 - kept in _failure / _persist_failure, raised later
                 pass
 
     def check_space(self, shard: int) -> None:
@@ -407,16 +464,18 @@ class MemoryTier:
         self._raise_failure()
 
     def close(self) -> None:
-        """Wait for the background part (its failure is logged), drop the mappings; the slots stay."""
-        try:
-            self.wait()
-        except BaseException as exc:  # noqa: BLE001 - close runs after errors too
-            log.error("RecoverCallback: %s", exc)
+        """Wait for the background parts (their failures are logged), drop the mappings; the slots stay."""
+        for wait in (self.wait, self.wait_persist):
+            try:
+                wait()
+            except BaseException as exc:  # noqa: BLE001 - close runs after errors too
+                log.error("RecoverCallback: %s", exc)
         for slot in list(self._files):
             self._drop_file(slot)
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        for pool in (self._thread, self._persister):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._thread = self._persister = None
         if self._engine is not None:
             self._engine.close()
             self._engine = None

@@ -199,7 +199,7 @@ def _bridge(strategy: Strategy, io: Any) -> None:
         # Every rank first waits for its own save in flight: rank 0 alone renames a finished
         # save into place, and the agreement below lets no rank read before it did.
         io.engine.wait_quietly(checkpoint_path)
-        path = common_path(checkpoint_path, "checkpoint load", repair=True)
+        path = str(checkpoint_path) if io.own_paths else common_path(checkpoint_path, "checkpoint load", repair=True)
         # the sharded template is made on every rank first (collective under FSDP1)
         template = {"template": _sharded_template(strategy)} if sharded else {}
         error: BaseException | None = None

@@ -40,11 +40,13 @@ in one collective DCP save, and loads reshard into the live model. Without the b
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -112,6 +114,9 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         self._engine = DCPEngine(thread_count=thread_count, async_executor=async_executor)
         self._engine.storage_options = validate_options(storage_options)
         self._staging_waiters = 0
+        self.own_paths = False
+        """While set (:meth:`rank_local_paths`), a bridged load reads the path each rank was given
+        (a memory-tier view of its own) instead of rank 0's."""
 
     @property
     def mode(self) -> str:
@@ -144,6 +149,15 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         """Every rank calls :meth:`save_checkpoint` together (the strategy bridge does):
         one collective DCP save, each rank writing its own files."""
         self._engine.collective = True
+
+    @contextlib.contextmanager
+    def rank_local_paths(self) -> Iterator[None]:
+        """Within: a bridged load reads each rank's own path (see :attr:`own_paths`)."""
+        self.own_paths = True
+        try:
+            yield
+        finally:
+            self.own_paths = False
 
     def add_staging_waiter(self) -> None:
         """Something (a callback) waits for staging before the next optimizer step, so an

@@ -22,6 +22,7 @@ strategy bridge, the trial lock, the resume wiring, the telemetry.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import time
@@ -264,14 +265,11 @@ class RecoverSession:
             # The non-tensor state is unpickled with weights_only=True unless the user opted out
             # (hyper-parameters holding arbitrary objects; see the README's security note).
             try:
-                with bridged(trainer.strategy, self.io):
+                with bridged(trainer.strategy, self.io), \
+                        self.io.rank_local_paths() if memory is not None else contextlib.nullcontext():
                     original(str(plan.path), self.weights_only)
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
-            if memory is not None and not is_sharded(trainer.strategy):
-                # Every tensor of the slot is this rank's own: put the model's back once DDP is built.
-                self.io.engine.last_per_rank = {f"state_dict.{key}": value for key, value in
-                                                loaded_checkpoint(trainer).get("state_dict", {}).items()}
             self._to_live_names()
             self.state.pending.swa = started_swa(trainer, loaded_checkpoint(trainer))
             loaded = loaded_checkpoint(trainer).get("global_step")
@@ -300,7 +298,7 @@ class RecoverSession:
         chosen = self.memory.choose(self.ranks, self.trainer.world_size, self.shared_step, fresh)
         if chosen is None:
             return None
-        return ResumePlan(chosen.seal.path, chosen.info, chosen.nbytes, chosen.check_s)
+        return ResumePlan(chosen.path, chosen.info, chosen.nbytes, chosen.check_s)
 
     def _to_live_names(self) -> None:
         """The loaded model state under the live model's names: a recover checkpoint stores them
@@ -458,6 +456,8 @@ class RecoverSession:
         if shared:
             try:
                 engine.wait()
+                if self.memory is not None:
+                    self.memory.wait_persist()
                 if trainer.is_global_zero:
                     self.store.clean_stale()
                     gen = self.store.new_generation(steps)
@@ -483,10 +483,14 @@ class RecoverSession:
         if not shared:
             return
         # 4. Write every rank's shard into the generation's folder; rank 0 commits it with its
-        #    recover_info once DCP returned (in the background for an async save).
+        #    recover_info once DCP returned (in the background for an async save). With the
+        #    memory tier's slot of this step: copied from the slots once they are sealed.
         target = self.store.target(gen, info, on_committed=self._committed(timer))
         check = None if not self.weights_only or self._checked_loadable else self._check_loadable
-        self.io.write(checkpoint, target, check=check)
+        if tier is not None and isinstance(target.tmp, Path):
+            self._persist(tier, checkpoint, target, check)
+        else:
+            self.io.write(checkpoint, target, check=check)
         trainer.strategy.barrier("RecoverCallback.save")
         # 5. At the save point the next step must not change what an async save still copies.
         if point is not None and engine.in_flight is not None:
@@ -496,6 +500,26 @@ class RecoverSession:
         if written is not None and not trainer.is_global_zero and self.io.resolved_mode == "sync":
             log.debug("recover checkpoint of global step %d: rank %d wrote %.1f MB, %.3fs of it hashing",
                       steps, trainer.global_rank, written.nbytes / 1e6, written.hash_s)
+
+    def _persist(self, tier: MemoryTier, checkpoint: dict[str, Any], target: Any,
+                 check: Callable[[dict[str, Any]], None] | None) -> None:
+        """The shared tier's save of this step from every rank's memory-tier slot (in the
+        background, once sealed; rank 0 commits). ``check``: rank 0's first-save check."""
+        lead = self.trainer.is_global_zero
+        error: BaseException | None = None
+        try:
+            if check is not None and lead:
+                check(checkpoint)
+            target.create()
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        try:
+            self.ranks.agree(error, f"recover checkpoint {target.final} from the memory tier")
+        except BaseException:
+            if lead:
+                target.discard()
+            raise
+        tier.persist(Path(target.tmp), self.ranks, target.finalize if lead else None)
 
     def _write_memory(self, tier: MemoryTier, checkpoint: dict[str, Any], info: dict[str, Any], steps: int) -> None:
         """This rank's memory-tier slot of the checkpoint; a failure on any rank is raised on every rank."""
@@ -544,10 +568,19 @@ class RecoverSession:
     def wait(self) -> None:
         """Until the last save is durable and published; raises its failure (rank-local)."""
         self.io.engine.wait()
+        if self.memory is not None:
+            self.memory.wait_persist()
 
     def wait_all(self) -> None:
         """Collective :meth:`wait`: a failure on any rank (rank 0 alone publishes) is raised on every rank."""
+        error: BaseException | None = None
+        try:
+            if self.memory is not None:
+                self.memory.wait_persist()
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
         self.io.engine.wait_all("recover checkpoint in flight at the end of training")
+        self.ranks.agree(error, "recover checkpoint from the memory tier in flight at the end of training")
 
     def finished(self) -> None:
         """``fit`` ended normally and its last checkpoint is durable on every rank: the memory

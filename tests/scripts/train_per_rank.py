@@ -170,11 +170,13 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--optimizer", choices=["adamw", "zero"], default="adamw")
     p.add_argument("--compile-critic", action="store_true")
+    p.add_argument("--memory", action="store_true", help="the memory tier too (every step), in {root}/memory")
     args = p.parse_args()
     pl.seed_everything(0, verbose=False)
     model = BNNet(args.root, args.optimizer) if args.model == "bn" else ActorCritic(args.root, args.compile_critic)
+    memory = {"root": str(args.root / "memory")} if args.memory else None
     callbacks: list = [Final(), RecoverCallback(fileroot=str(args.root), experiment_name="e", trial_name="t",
-                                                freq_steps=args.freq_steps)]
+                                                freq_steps=args.freq_steps, memory=memory)]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
     # two backward passes per step, each reaching one of the two networks: DDP must look for unused parameters
