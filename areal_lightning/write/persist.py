@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from areal_lightning._fault import fault_point
 from areal_lightning._torch_internals import DATA_SUFFIX
 from areal_lightning.collective import CheckpointGroup
-from areal_lightning.write.checksum import Written, item_checksum
+from areal_lightning.write.checksum import Written, item_checksum, truncated
 from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.dcp_reader import reader_of
 from areal_lightning.write.direct import write_metadata
@@ -129,8 +129,7 @@ def _copy_items(slot: Path, out: Path, items: list[tuple[str, int, int]]) -> int
                 while left:
                     data = src.read(min(left, _COPY))
                     if not data:
-                        raise OSError(f"{slot / name} ends at {offset + length - left}, before its item's end "
-                                      f"{offset + length}")
+                        raise truncated(slot / name, name, offset, length, offset + length - left)
                     dest.write(data)
                     left -= len(data)
                 total += length
