@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from areal_lightning import ConfigError, RecoverCallback
 from areal_lightning.commit.memory_tier import MemorySpaceError, tier_folder
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL
 from tests.conftest import Crash, CrashAt, make_trainer
+from tests.harness.refcache import reference_run
 
 WHERE = dict(experiment_name="e", trial_name="t", user="u")
 
@@ -191,3 +194,37 @@ def test_the_yaml_section_turns_the_tier_on_and_its_errors_name_the_yaml_path(tm
     with pytest.raises(ConfigError) as err:
         RecoverCallback.from_config({**cfg, "recover": {"mode": "on", "memory": {"replicas": 3}}})
     assert err.value.field == "recover.memory.replicas"
+
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_recover.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, memory_lost", [("fsdp2", False), ("fsdp1", True)])
+def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied_from_it(
+        tmp_path, tmp_path_factory, strategy, memory_lost) -> None:
+    """FSDP2 / FSDP1 on 2 ranks (each rank's slot holds its shards), SIGKILL of both ranks at step
+    7: the rerun resumes from the memory tier (step 6), or, with the tier deleted (a node lost,
+    no replica), from the shared tier's step 5, which was copied from the slots (the chunks of
+    every rank merged); every rank's losses are the uninterrupted run's, bit for bit."""
+    from tests.harness.losses import step_losses
+
+    def command(root: str, *extra: str) -> list[str]:
+        return [sys.executable, str(SCRIPT), "--root", root, "--losses", f"{root}/losses", "--devices", "2",
+                "--strategy", strategy, "--epochs", "2", *extra]
+
+    ref_root, ref = reference_run(tmp_path_factory, command("{root}"), timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = subprocess.run(command(str(tmp_path), "--memory", "--kill-at-step", "7"), capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode != 0
+    if memory_lost:
+        shutil.rmtree(tmp_path / "memory")
+    rerun = subprocess.run(command(str(tmp_path), "--memory"), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    tier, step = ("shared", 4) if memory_lost else ("memory", 5)
+    assert rerun.stderr.count(f"resuming from the {tier} tier") == 2, rerun.stderr[-3000:]
+    assert f"after global step {step} " in rerun.stderr
+    for rank in range(2):
+        want, got = step_losses(f"{ref_root}/losses.rank{rank}"), step_losses(tmp_path / f"losses.rank{rank}")
+        assert got == want

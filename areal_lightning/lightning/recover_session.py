@@ -395,7 +395,11 @@ class RecoverSession:
             return
         error: BaseException | None = None
         try:
-            tensors = [self.trainer.lightning_module.state_dict()] + [opt.state_dict() for opt in self.trainer.optimizers]
+            # parameters and buffers (FSDP: this rank's shards), not state_dict(): FSDP1 must not be
+            # asked for one before its first forward
+            module = self.trainer.lightning_module
+            tensors = [list(module.parameters()), list(module.buffers())] + \
+                [list(opt.state.values()) for opt in self.trainer.optimizers]
             self.memory.check_space(local_nbytes(tensors))
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc

@@ -134,6 +134,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps, times (rank + 1)")
     p.add_argument("--sigterm-at-step", type=int, default=None, help="SIGTERM to itself at the end of that step")
     p.add_argument("--sigterm-rank", type=int, default=0, help="the rank --sigterm-at-step signals")
+    p.add_argument("--memory", action="store_true", help="the memory tier too (a slot every step) in {root}/memory")
     p.add_argument("--disk-full-at-step", type=int, default=None, help="limit file sizes (RLIMIT_FSIZE) from then on")
     args = p.parse_args()
 
@@ -151,7 +152,8 @@ def main() -> None:
     recover = RecoverCallback(fileroot=args.fileroot or args.root, experiment_name="exp", trial_name="t", user="u",
                               freq_steps=args.freq_steps, freq_epochs=args.freq_epochs, freq_secs=args.freq_secs,
                               io_mode=args.io_mode,
-                              storage_options=json.loads(args.storage_options) if args.storage_options else None)
+                              storage_options=json.loads(args.storage_options) if args.storage_options else None,
+                              memory={"root": os.path.join(args.root, "memory")} if args.memory else None)
     callbacks = [recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
