@@ -72,7 +72,7 @@ def test_many_tensors_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert [r["count"] for r in doc["results"]] == [4, 64]
-    assert set(doc["ratios"]) == {"dcp_sync", "dcp_load", "torch_save", "torch_load"}
+    assert set(doc["ratios"]) == {"dcp_sync", "dcp_load", "torch_save", "torch_load", "memory_copy", "memory_slot"}
     assert all(r[m] > 0 for r in doc["results"] for m in doc["ratios"])
     assert "64/4" in proc.stdout
 
@@ -111,3 +111,18 @@ def test_async_checkpointer_benchmark_runs_every_executor_and_writes_its_json(tm
     for kind in ("ours_thread", "ours_process"):
         row = doc["results"][kind]
         assert row["call_s"] <= row["staged_s"] <= row["durable_s"] and row["host_copy_s"] > 0, (kind, row)
+
+
+def test_memory_tier_benchmark_runs_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "memory_tier.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_tier.py"), "--hidden", "32", "--layers",
+                           "1", "--vocab", "64", "--steps", "8", "--ranks", "0", "--no-moto", "--workdir",
+                           str(tmp_path / "work"), "--shm", str(tmp_path / "shm"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["blocked"]["blocked_s"] > 0 and doc["blocked"]["host_copy_s"] > 0
+    assert set(doc["resume"]) == {"memory", "shared disk"}
+    assert doc["resume"]["memory"]["steps_trained_twice"] == 1  # crashed after step 7: resumed after step 6
+    assert doc["resume"]["shared disk"]["steps_trained_twice"] == 3  # the shared tier's step 4
+    assert "peer: host copy of the same tensors" in proc.stdout

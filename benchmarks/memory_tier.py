@@ -1,0 +1,312 @@
+"""The memory tier of RecoverCallback: what training waits for each step, and what a resume gains.
+
+Usage::
+
+    python benchmarks/memory_tier.py --json benchmarks/results/memory_tier.json
+        [--hidden 512 --layers 8 --vocab 32000]   # a Llama of about 50M parameters (the default)
+        [--steps 8] [--ranks 2] [--no-moto]
+
+A real Lightning ``Trainer`` (CPU) trains a Llama built from its config, with ``RecoverCallback``:
+
+1. **blocked**: one process, the memory tier on ``/dev/shm`` every step. Per step, what the save
+   point held training for the tier (the copy of the state into its slot, plus any wait for a
+   slot: the stall), read from the callback's ``checkpoint/memory/*`` metrics, against the peer:
+   a host copy of the same tensors (``copy_`` into buffers made once) and one ``memcpy`` of the
+   same bytes, measured in the same process. Also the step time with and without the tier.
+2. **stall**: ``--ranks`` DDP ranks (gloo), the tier every step and the shared tier every 4
+   steps (copied from the slots): the stall as a share of the step, and the step time against
+   the same run without the tier.
+3. **resume**: a run crashed after step 6 (tier every step, shared tier every 4 steps on
+   ``--workdir`` disk): the time from ``fit`` to the first trained batch of the rerun when it
+   resumes from the memory tier, from the shared tier on disk, and from the shared tier in a
+   moto S3 bucket; and the steps trained twice in each.
+
+Medians; a table and JSON. The disk here is noisy: the tier itself is on ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import write_json  # noqa: E402
+
+WHERE = dict(experiment_name="bench", trial_name="t", user="bench")
+
+
+def make_module(args: argparse.Namespace) -> Any:
+    import lightning.pytorch as pl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
+                max_position_embeddings=64, tie_word_embeddings=False))
+            self.step_s: list[float] = []
+            self._t = 0.0
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self._t = time.perf_counter()
+            if not hasattr(self, "first_batch_at"):
+                self.first_batch_at = time.perf_counter()
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.step_s.append(time.perf_counter() - self._t)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return LM()
+
+
+def loader(args: argparse.Namespace, n: int) -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randint(0, args.vocab, (n * args.batch, args.seq), generator=g)),
+                      batch_size=args.batch)
+
+
+class Metrics:
+    """A logger keeping every logged metric (the memory tier's per-step numbers)."""
+
+    def __new__(cls) -> Any:
+        from lightning.pytorch.loggers.logger import Logger
+
+        class _Metrics(Logger):
+            def __init__(self) -> None:
+                super().__init__()
+                self.rows: list[dict[str, float]] = []
+
+            name = "metrics"
+            version = 0
+
+            def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+                self.rows.append(dict(metrics))
+
+            def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
+        return _Metrics()
+
+
+def fit(args: argparse.Namespace, root: Path, *, memory: bool, steps: int, devices: int = 1,
+        freq_steps: int | None = None, crash_after: int | None = None, fileroot: str | None = None,
+        storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from areal_lightning import RecoverCallback
+
+    class Crash(Exception):
+        pass
+
+    class CrashAfter(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            if crash_after is not None and trainer.global_step == crash_after + 1:
+                raise Crash()
+
+    pl.seed_everything(0, verbose=False)
+    module = make_module(args)
+    metrics = Metrics()
+    recover = RecoverCallback(fileroot=fileroot or str(root), **WHERE, freq_steps=freq_steps,
+                              storage_options=storage_options,
+                              memory={"root": str(Path(args.shm) / root.name)} if memory else None)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+                         max_steps=steps, callbacks=[CrashAfter(), recover], logger=metrics,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=1)
+    start = time.perf_counter()
+    try:
+        trainer.fit(module, loader(args, steps + 2))
+    except Crash:
+        pass
+    first = getattr(module, "first_batch_at", start) - start
+    state = [t for t in module.state_dict().values()] + [
+        v for opt in trainer.optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    trained = (recover.resumed_from.global_step + 1) if recover.resumed_from is not None else 0
+    return {"rank": trainer.global_rank, "step_s": module.step_s, "rows": metrics.rows, "first_batch_s": first,
+            "state": state, "resumed_after": trained}
+
+
+def host_copy_s(state: list[torch.Tensor], repeats: int = 5) -> tuple[float, float, int]:
+    """Median seconds of ``copy_`` of every tensor into buffers made once, and of one memcpy of the same bytes."""
+    state = [t.detach() for t in state if t.numel()]
+    buffers = [torch.empty_like(t) for t in state]
+    nbytes = sum(t.numel() * t.element_size() for t in state)
+    flat_src = torch.empty(nbytes, dtype=torch.uint8)
+    flat_dst = torch.empty(nbytes, dtype=torch.uint8)
+    flat_src.fill_(1)
+    flat_dst.fill_(1)
+    copies, memcpys = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for b, t in zip(buffers, state):
+            b.copy_(t)
+        copies.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        flat_dst.copy_(flat_src)
+        memcpys.append(time.perf_counter() - t0)
+    return statistics.median(copies), statistics.median(memcpys), nbytes
+
+
+def blocked(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    steps = args.steps
+    off = fit(args, work / "off", memory=False, steps=steps)
+    on = fit(args, work / "on", memory=True, steps=steps)
+    rows = [r for r in on["rows"] if "checkpoint/memory/blocked_s" in r][1:]  # the first maps the slot files
+    blocked_s = statistics.median(r["checkpoint/memory/blocked_s"] for r in rows)
+    stall_s = statistics.median(r["checkpoint/memory/stall_s"] for r in rows)
+    copy_s, memcpy_s, nbytes = host_copy_s(on["state"])
+    return {"state_mb": nbytes / 1e6, "blocked_s": blocked_s, "stall_s": stall_s, "host_copy_s": copy_s,
+            "memcpy_s": memcpy_s, "blocked_vs_host_copy": blocked_s / copy_s, "blocked_vs_memcpy": blocked_s / memcpy_s,
+            "step_s_off": statistics.median(off["step_s"][1:]), "step_s_on": statistics.median(on["step_s"][1:])}
+
+
+def stall(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``--ranks`` DDP ranks, in a child process (Lightning launches the other ranks)."""
+    out = {}
+    for memory in (False, True):
+        result = work / f"stall_{memory}.json"
+        cmd = [sys.executable, __file__, "--_stall-child", str(result), "--hidden", str(args.hidden), "--layers",
+               str(args.layers), "--vocab", str(args.vocab), "--steps", str(args.steps), "--ranks", str(args.ranks),
+               "--workdir", str(work), "--shm", args.shm, "--seq", str(args.seq), "--batch", str(args.batch)]
+        if memory:
+            cmd.append("--_memory")
+        subprocess.run(cmd, check=True, timeout=3600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out[memory] = json.loads(result.read_text())
+    on, off = out[True], out[False]
+    return {"ranks": args.ranks, "step_s_off": off["step_s"], "step_s_on": on["step_s"],
+            "stall_s": on["stall_s"], "stall_share": on["stall_s"] / on["step_s"] if on["step_s"] else 0.0,
+            "blocked_s": on["blocked_s"], "overhead": on["step_s"] / off["step_s"] - 1}
+
+
+def stall_child(args: argparse.Namespace) -> None:
+    root = Path(args.workdir) / f"stall_{args._memory}"
+    result = fit(args, root, memory=args._memory, steps=args.steps, devices=args.ranks, freq_steps=4)
+    rows = [r for r in result["rows"] if "checkpoint/memory/stall_s" in r][1:]
+    doc = {"step_s": statistics.median(result["step_s"][1:]),
+           "stall_s": statistics.mean(r["checkpoint/memory/stall_s"] for r in rows) if rows else 0.0,
+           "blocked_s": statistics.median(r["checkpoint/memory/blocked_s"] for r in rows) if rows else 0.0}
+    if result["rank"] == 0:
+        Path(args._stall_child).write_text(json.dumps(doc))
+
+
+def resume(args: argparse.Namespace, work: Path, moto: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cases = [("memory", None), ("shared disk", None)]
+    server = None
+    options = None
+    if moto:
+        from objectstore import start_moto
+
+        server, endpoint = start_moto()
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket="bench")
+        options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
+                   "client_kwargs": {"region_name": "us-east-1"}}
+        cases.append(("shared moto s3", "s3://bench/memory-tier"))
+    try:
+        for name, fileroot in cases:
+            root = work / f"resume_{name.replace(' ', '_')}"
+            common = dict(memory=True, freq_steps=4, fileroot=fileroot, storage_options=options if fileroot else None)
+            fit(args, root, steps=args.steps, crash_after=6, **common)
+            if name != "memory":
+                shutil.rmtree(Path(args.shm) / root.name)  # the node and its tier lost
+            rerun = fit(args, root, steps=8, **common)
+            out[name] = {"first_batch_s": rerun["first_batch_s"], "resumed_after_step": rerun["resumed_after"],
+                         "steps_trained_twice": 7 - rerun["resumed_after"]}
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+    return out
+
+
+def report(doc: dict[str, Any]) -> str:
+    b, s, r = doc["blocked"], doc.get("stall"), doc["resume"]
+    lines = [f"state {b['state_mb']:.0f} MB (model + AdamW), one process, the tier on /dev/shm every step",
+             f"{'measure':<44}{'seconds':>10}{'ratio':>10}",
+             f"{'blocked per step (copy into the slot + stall)':<44}{b['blocked_s']:>10.4f}",
+             f"{'  peer: host copy of the same tensors':<44}{b['host_copy_s']:>10.4f}{b['blocked_vs_host_copy']:>10.2f}",
+             f"{'  peer: one memcpy of the same bytes':<44}{b['memcpy_s']:>10.4f}{b['blocked_vs_memcpy']:>10.2f}",
+             f"{'step without / with the tier':<44}{b['step_s_off']:>10.3f}{b['step_s_on'] / b['step_s_off']:>10.2f}"]
+    if s:
+        lines += [f"{s['ranks']} DDP ranks, shared tier every 4 steps copied from the slots:",
+                  f"{'  stall per step (mean) / share of a step':<44}{s['stall_s']:>10.4f}{s['stall_share']:>10.3f}",
+                  f"{'  step without / with the tier':<44}{s['step_s_off']:>10.3f}{1 + s['overhead']:>10.2f}"]
+    lines.append("resume after a crash at step 7 (tier every step, shared tier every 4):")
+    base = r["memory"]["first_batch_s"]
+    for name, row in r.items():
+        lines.append(f"{'  from ' + name + ' to the first batch':<44}{row['first_batch_s']:>10.3f}"
+                     f"{row['first_batch_s'] / base:>10.2f}   steps trained twice: {row['steps_trained_twice']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--ranks", type=int, default=2, help="DDP ranks of the stall measure (0: skip it)")
+    parser.add_argument("--no-moto", action="store_true", help="skip the resume from a moto S3 bucket")
+    parser.add_argument("--workdir", default=None, help="where the shared tier's temporary folder goes (default: /tmp)")
+    parser.add_argument("--shm", default="/dev/shm/areal-bench-memory-tier", help="the memory tier's root")
+    parser.add_argument("--_stall-child", dest="_stall_child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_memory", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args._stall_child:
+        stall_child(args)
+        return
+    work = Path(tempfile.mkdtemp(prefix="bench-memory-tier-", dir=args.workdir))  # removed at the end
+    try:
+        doc: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"}}
+        doc["config"]["json"] = str(args.json) if args.json else None
+        doc["blocked"] = blocked(args, work)
+        if args.ranks > 1:
+            doc["stall"] = stall(args, work)
+        doc["resume"] = resume(args, work, moto=not args.no_moto)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for name in ("off", "on", "stall_False", "stall_True", "resume_memory", "resume_shared_disk",
+                     "resume_shared_moto_s3"):  # the tier folders this run made (not the root itself)
+            shutil.rmtree(Path(args.shm) / name, ignore_errors=True)
+    print(report(doc))
+    write_json(args.json, doc)
+
+
+if __name__ == "__main__":
+    main()
