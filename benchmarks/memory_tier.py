@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     if args._stall_child:
         stall_child(args)
         return
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-memory-tier-", dir=args.workdir))  # removed at the end
     try:
         doc: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"}}
