@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from areal_lightning import ConfigError, RecoverCallback
 from areal_lightning.commit.memory_tier import MemorySpaceError, tier_folder
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL
+from areal_lightning.tools.inspect import inspect_path
 from tests.conftest import Crash, CrashAt, make_trainer
 from tests.harness.refcache import reference_run
 
@@ -64,14 +65,16 @@ def loader() -> DataLoader:
                       batch_size=4, shuffle=True)
 
 
-def run(root: Path, crash: int | None = None, memory: Any = True, freq_steps: int | None = 4) -> Net:
-    """One fit of 2 epochs of 10 steps; the shared tier every ``freq_steps`` steps, the memory tier in
-    ``{root}/shm``; ``crash``: an exception at that step, before its save point."""
+def run(root: Path, crash: int | None = None, memory: Any = True, freq_steps: int | None = 4,
+        fileroot: str | None = None) -> Net:
+    """One fit of 2 epochs of 10 steps; the shared tier every ``freq_steps`` steps (in ``root``, or
+    ``fileroot``), the memory tier in ``{root}/shm``; ``crash``: an exception at that step, before
+    its save point."""
     pl.seed_everything(0, verbose=False)
     net = Net()
     if memory is True:
         memory = {"root": str(root / "shm")}
-    recover = RecoverCallback(fileroot=str(root), **WHERE, freq_steps=freq_steps, memory=memory)
+    recover = RecoverCallback(fileroot=fileroot or str(root), **WHERE, freq_steps=freq_steps, memory=memory)
     trainer = make_trainer(([CrashAt(crash)] if crash else []) + [recover])
     if crash:
         with pytest.raises(Crash):
@@ -114,6 +117,9 @@ def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is
         tmp_path, reference, caplog) -> None:
     first = run(tmp_path, crash=7)  # shared tier: step 4; memory tier: steps 5 and 6
     assert seals(tmp_path) == {0: 5, 1: 6} or seals(tmp_path) == {0: 6, 1: 5}
+    [report] = inspect_path(tmp_path, verify=True, memory_root=str(tmp_path / "shm"))
+    assert report["memory"][0]["ranks"] == {"rank0": [5, 6]} and report["memory"][0]["newest_complete_step"] == 6
+    assert report["memory"][0]["checksum"] == "ok"
     with caplog.at_level(logging.INFO, logger="areal_lightning"):
         second = run(tmp_path)
     assert "resuming from the memory tier" in caplog.text
@@ -128,6 +134,8 @@ def test_a_flipped_byte_falls_back_to_the_older_slot_then_to_the_shared_tier(tmp
                                                                               damaged) -> None:
     first = run(tmp_path, crash=7)
     flip_a_byte(slot_of(tmp_path, 6))
+    [report] = inspect_path(tmp_path, verify=True, memory_root=str(tmp_path / "shm"))
+    assert "rank 0:" in report["memory"][0]["checksum"] and "CRC32C" in report["memory"][0]["checksum"]
     if damaged == "both":
         (slot_of(tmp_path, 5) / COMMIT_MARKER).write_bytes(b"not a pickle")
     with caplog.at_level(logging.INFO, logger="areal_lightning"):
@@ -157,6 +165,20 @@ def test_before_the_first_shared_save_the_memory_tier_alone_resumes(tmp_path, re
     first = run(tmp_path, crash=3, freq_steps=None)  # no shared tier at all
     second = run(tmp_path, freq_steps=None)
     assert min(second.losses) == 3 and {**first.losses, **second.losses} == reference
+
+
+def test_with_a_bucket_as_fileroot_the_tier_resumes_and_without_it_the_bucket(tmp_path, s3_root, reference,
+                                                                              caplog) -> None:
+    """An ``s3://`` fileroot (moto): the shared tier is written to the bucket (by the IO: a copy of
+    the slots goes to local folders only), the memory tier on local tmpfs."""
+    first = run(tmp_path, crash=7, fileroot=s3_root)
+    second = run(tmp_path, crash=9, fileroot=s3_root)  # resumes from the tier (step 6)
+    shutil.rmtree(tmp_path / "shm")  # the node and its tier lost: the bucket's step 8
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        third = run(tmp_path, fileroot=s3_root)
+    assert min(second.losses) == 7 and min(third.losses) == 9
+    assert "resuming from the shared tier, s3://" in caplog.text
+    assert {**first.losses, **second.losses, **third.losses} == reference
 
 
 def test_too_little_space_is_refused_with_the_numbers_before_training(tmp_path) -> None:
@@ -220,6 +242,16 @@ def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied
     assert killed.returncode != 0
     if memory_lost:
         shutil.rmtree(tmp_path / "memory")
+    else:  # convert reads the tier's newest step, every rank's shards merged into full tensors
+        from areal_lightning import convert
+
+        tier_dir = tier_folder(str(tmp_path / "memory"), "u", "exp", "t", "default")
+        merged = torch.load(convert(tier_dir, "lightning", tmp_path / "tier.ckpt"), weights_only=True)
+        shared = torch.load(convert(tmp_path, "lightning", tmp_path / "shared.ckpt"), weights_only=True)
+        assert merged["global_step"] == 6 and shared["global_step"] == 5
+        assert {k: v.shape for k, v in merged["state_dict"].items()} == \
+            {k: v.shape for k, v in shared["state_dict"].items()}
+        assert not all(torch.equal(merged["state_dict"][k], v) for k, v in shared["state_dict"].items())
     rerun = subprocess.run(command(str(tmp_path), "--memory"), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     tier, step = ("shared", 4) if memory_lost else ("memory", 5)

@@ -48,7 +48,8 @@ from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
 from areal_lightning.write.slot import SlotFile
 
-__all__ = ["MemoryTier", "Seal", "Chosen", "MemorySpaceError", "tier_folder", "local_nbytes", "SEAL_FORMAT"]
+__all__ = ["MemoryTier", "Seal", "Chosen", "MemorySpaceError", "tier_folder", "local_nbytes", "SEAL_FORMAT",
+           "is_tier_folder", "newest_complete_step"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,34 @@ def _existing(path: Path) -> Path:
 def _unseal(folder: Path) -> None:
     for name in (MEMORY_SEAL, COMMIT_MARKER):
         (folder / name).unlink(missing_ok=True)
+
+
+def is_tier_folder(path: Path) -> bool:
+    """Whether ``path`` is a trial's memory-tier folder (``rank{r}/slot{k}/`` below it)."""
+    return path.is_dir() and any(path.glob(f"rank*/slot*/{MEMORY_SEAL}"))
+
+
+def newest_complete_step(folder: Path) -> tuple[int, list[Seal]] | None:
+    """Offline: the newest step of the tier ``folder`` that every rank sealed (the world size as
+    the seals say), with each rank's seal; ``None``: no such step."""
+    held: dict[int, dict[int, Seal]] = {}
+    world = None
+    for seal_file in folder.glob(f"rank*/slot*/{MEMORY_SEAL}"):
+        rank, slot = seal_file.parent.parent.name[len("rank"):], seal_file.parent.name[len("slot"):]
+        if not (rank.isdigit() and slot.isdigit()):
+            continue
+        seal = _read_seal(seal_file.parent, int(slot))
+        if seal is None:
+            continue
+        world = seal.world_size
+        held.setdefault(int(rank), {})[seal.global_step] = seal
+    if world is None or sorted(held) != list(range(world)):
+        return None
+    common = set.intersection(*(set(steps) for steps in held.values()))
+    if not common:
+        return None
+    step = max(common)
+    return step, [held[rank][step] for rank in range(world)]
 
 
 class MemoryTier:

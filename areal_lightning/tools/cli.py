@@ -83,7 +83,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from areal_lightning.tools.inspect import run_inspect
 
     return run_inspect(args.path, verify=args.verify, as_json=args.json, user=args.user,
-                       experiment=args.experiment, trial=args.trial)
+                       experiment=args.experiment, trial=args.trial, memory_root=args.memory_root)
 
 
 def _certify(args: argparse.Namespace) -> int:
@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--user", default=None, help="only trials of this user")
     insp.add_argument("--experiment", default=None, help="only trials of this experiment")
     insp.add_argument("--trial", default=None, help="only trials with this name")
+    insp.add_argument("--memory-root", default=None,
+                      help="the memory tier's root on this node (default /dev/shm/areal-lightning)")
     insp.set_defaults(func=_inspect)
     conv = sub.add_parser(
         "convert", help="write a recover checkpoint as an HF folder, one Lightning checkpoint file or a stock DCP folder",

@@ -19,9 +19,11 @@ renamed into place when complete; an existing non-empty output is never overwrit
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +63,25 @@ class _Source:
 def _source(path: str | os.PathLike[str]) -> _Source:
     """The recover checkpoint at ``path``: a ``recover_checkpoint/`` folder, a trial folder, or a
     fileroot (or folder below it) holding exactly one trial; checked against its manifest. (A
-    trial has one, in the folder of the ``RecoverCallback``'s name, ``default/`` unless named.)"""
+    trial has one, in the folder of the ``RecoverCallback``'s name, ``default/`` unless named.)
+    Or a trial's memory tier folder (``{root}/{user}/{experiment}/{trial}/{name}``): its newest
+    step every rank sealed, every rank's slot merged as the shared tier's checkpoint of it."""
+    from areal_lightning.commit.memory_tier import is_tier_folder, newest_complete_step
     from areal_lightning.commit.recover_store import RecoverStore, check_info
+    from areal_lightning.write.persist import merged_view
     from areal_lightning.tools.inspect import find_trials, layout_of, pending_swap
 
     given = Path(path)
+    if is_tier_folder(given):  # a memory tier: its newest step every rank sealed, merged as the shared tier's
+        newest = newest_complete_step(given)
+        if newest is None:
+            raise ConvertError(f"{given} is a memory tier folder but holds no step that every rank sealed")
+        step, seals = newest
+        view = Path(tempfile.mkdtemp(prefix="areal-convert-view-"))
+        atexit.register(shutil.rmtree, view, True)
+        log.info("convert: %s: the memory tier's global step %d (every rank's slot verified as it is read)",
+                 given, step)
+        return _Source(merged_view([s.path for s in seals], view), None, seals[0].info)
     if (given / COMMIT_MARKER).is_file():
         trial = given.parent.parent if given.name == RECOVER_CHECKPOINT else None
         if trial is None or not (trial / "recover_info").is_dir():

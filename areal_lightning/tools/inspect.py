@@ -412,12 +412,47 @@ def layout_of(trial_dir: Path) -> TrialLayout:
     return layout
 
 
-def inspect_trial(trial_dir: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
+def inspect_memory(layout: TrialLayout, model_names: list[str], root: str | None, verify: bool) -> list[dict[str, Any]]:
+    """The memory tier of each model of the trial under ``root`` (``None``: its default root on
+    this node's ``/dev/shm``): per rank the steps its slots hold sealed, and the newest step every
+    rank sealed (a rerun's candidate); ``verify``: that step's slots checked item by item."""
+    from areal_lightning.commit.memory_tier import MemoryTier, is_tier_folder, newest_complete_step, tier_folder
+    from areal_lightning.config import MemoryConfig
+
+    out = []
+    for name in model_names or ["default"]:
+        folder = tier_folder(root, layout.user, layout.experiment_name, layout.trial_name, name)
+        if not is_tier_folder(folder):
+            continue
+        ranks: dict[str, list[int]] = {}
+        for seal in sorted(folder.glob("rank*/slot*/SEALED.json")):
+            doc, _ = _load_json(seal)
+            if isinstance(doc, dict) and "global_step" in doc:
+                ranks.setdefault(seal.parent.parent.name, []).append(int(doc["global_step"]))
+        newest = newest_complete_step(folder)
+        report: dict[str, Any] = {"model": name, "folder": str(folder), "size_bytes": _tree_size(folder),
+                                  "ranks": {r: sorted(steps) for r, steps in sorted(ranks.items())},
+                                  "newest_complete_step": newest[0] if newest else None, "checksum": "not verified"}
+        if verify and newest is not None:
+            problems = []
+            for rank, seal in enumerate(newest[1]):
+                tier = MemoryTier(MemoryConfig(enabled=True, slots=max(2, seal.slot + 1)), folder, rank)
+                why, _ = tier.verify(seal)
+                if why:
+                    problems.append(f"rank {rank}: {why}")
+            report["checksum"] = "ok" if not problems else "; ".join(problems)
+        out.append(report)
+    return out
+
+
+def inspect_trial(trial_dir: str | os.PathLike[str], verify: bool = False,
+                  memory_root: str | None = None) -> dict[str, Any]:
     """Inspect one trial folder ``{fileroot}/checkpoints/{user}/{experiment}/{trial}`` (read-only).
 
     Args:
         trial_dir: the trial folder.
         verify: also check the CRC32C of every item of every recover checkpoint file (reads it all).
+        memory_root: the memory tier's root on this node (``None``: ``/dev/shm/areal-lightning``).
 
     Returns:
         A JSON-serialisable dict: ``trial_dir``, ``user``, ``experiment_name``, ``trial_name``,
@@ -478,6 +513,7 @@ def inspect_trial(trial_dir: str | os.PathLike[str], verify: bool = False) -> di
         "recover": recover,
         "recover_info": info_report,
         "leftovers": leftovers,
+        "memory": inspect_memory(layout, model_names, memory_root, verify),
         "lock": lock,
         "verified": verify,
         "warnings": warnings,
@@ -543,7 +579,8 @@ def find_trials(path: str | os.PathLike[str], user: str | None = None, experimen
 
 
 def inspect_path(path: str | os.PathLike[str], verify: bool = False, user: str | None = None,
-                 experiment: str | None = None, trial: str | None = None) -> list[dict[str, Any]]:
+                 experiment: str | None = None, trial: str | None = None,
+                 memory_root: str | None = None) -> list[dict[str, Any]]:
     """Inspect every trial at or below ``path`` (a fileroot or a trial folder); see :func:`inspect_trial`.
 
     Example:
@@ -555,7 +592,7 @@ def inspect_path(path: str | os.PathLike[str], verify: bool = False, user: str |
         from areal_lightning.tools.inspect_remote import inspect_remote
 
         return inspect_remote(os.fspath(path), verify=verify, user=user, experiment=experiment, trial=trial)
-    return [inspect_trial(t, verify=verify) for t in find_trials(path, user, experiment, trial)]
+    return [inspect_trial(t, verify=verify, memory_root=memory_root) for t in find_trials(path, user, experiment, trial)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -630,6 +667,17 @@ def render_reports(reports: list[dict[str, Any]], console: Any = None) -> None:
             rec.add_row("-", "(none)", *[""] * 8)
         console.print(rec)
 
+        for m in r.get("memory", []):
+            tier = Table(title=f"Memory tier ({m['model']}, this node: {m['folder']})", title_justify="left",
+                         expand=False)
+            for col in ("rank", "steps sealed"):
+                tier.add_column(col)
+            for rank, steps in m["ranks"].items():
+                tier.add_row(rank, ", ".join(map(str, steps)))
+            console.print(tier)
+            console.print(Text(f"newest step every rank sealed: {_fmt(m['newest_complete_step'])}, "
+                               f"{_fmt_size(m['size_bytes'])}, checksum {m['checksum']}"), soft_wrap=True)
+
         info = r["recover_info"]
         if info["present"]:
             tab = Table(title="recover_info/", title_justify="left", expand=False)
@@ -652,12 +700,13 @@ def render_reports(reports: list[dict[str, Any]], console: Any = None) -> None:
 
 
 def run_inspect(path: str, verify: bool = False, as_json: bool = False, user: str | None = None,
-                experiment: str | None = None, trial: str | None = None) -> int:
+                experiment: str | None = None, trial: str | None = None, memory_root: str | None = None) -> int:
     """The ``inspect`` subcommand: print the report; return 0 (all valid), 1 (something invalid) or 2 (usage)."""
     import sys
 
     try:
-        reports = inspect_path(path, verify=verify, user=user, experiment=experiment, trial=trial)
+        reports = inspect_path(path, verify=verify, user=user, experiment=experiment, trial=trial,
+                               memory_root=memory_root)
     except InspectUsageError as exc:
         print(f"areal-lightning inspect: {exc}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ from areal_lightning.write.direct import write_metadata
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.replicas import PREFIX
 
-__all__ = ["Plan", "plan", "persist", "resume_view"]
+__all__ = ["Plan", "plan", "persist", "resume_view", "merged_view"]
 
 _COPY = 16 << 20
 
@@ -238,4 +238,27 @@ def resume_view(slot: Path, view: Path, ranks: CheckpointGroup) -> Path:
     view_md = Metadata(state_dict_metadata=merged.metadata.state_dict_metadata, planner_data=merged.metadata.planner_data,
                        storage_data=storage, version=merged.metadata.version)
     write_metadata(view, view_md, Written(), points=(None, None))
+    return view
+
+
+def merged_view(slots: list[Path], view: Path) -> Path:
+    """Offline (one process): the shared checkpoint that every rank's sealed slot of one step
+    makes (``slots[r]``: rank ``r``'s), as a folder ``view`` a load reads: the merged
+    ``.metadata`` (:func:`plan`) and each rank's slot files linked in (symbolic links: nothing is
+    copied). For ``convert`` and ``inspect`` of a memory-tier step."""
+    metas = [reader_of(slot).read_metadata() for slot in slots]
+    merged = plan(metas)
+    view.mkdir(parents=True, exist_ok=True)
+    storage: dict[MetadataIndex, Any] = {}
+    for index in merged.metadata.storage_data:
+        owner, source = merged.origin[index]
+        new = copy.copy(source)
+        new.relative_path = f"rank{owner}_{source.relative_path}"
+        link = view / new.relative_path
+        if not link.is_symlink():
+            link.symlink_to((slots[owner] / source.relative_path).resolve())
+        storage[index] = new
+    write_metadata(view, Metadata(state_dict_metadata=merged.metadata.state_dict_metadata,
+                                  planner_data=merged.metadata.planner_data, storage_data=storage,
+                                  version=merged.metadata.version), Written(), points=(None, None))
     return view
