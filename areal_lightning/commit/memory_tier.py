@@ -14,12 +14,17 @@ mapped file (the part training waits for), then, in one background thread, the c
 ``.metadata`` and the seal. No step is skipped: a slot still being finished is waited for, and
 the wait is reported as the stall.
 
+The shared tier from the slots (:meth:`MemoryTier.persist`, collective, in a background
+thread once the slot is sealed): :func:`~areal_lightning.write.persist.persist` copies every
+rank's slot into the shared checkpoint's folder; the slot is not written again before that.
+
 Resuming (:meth:`MemoryTier.choose`, collective): every rank reports the steps it sealed; the
 newest step sealed by every rank (with the run's world size), not older than the shared tier's
 checkpoint, is verified by every rank (the seal, ``.metadata``'s CRC32C, every item's CRC32C);
 a step some rank cannot restore is skipped (the next older one is tried, then the shared
-tier), and the log names what was skipped and why. Every slot but the chosen one is unsealed:
-the run goes on from the chosen step, or from the shared tier.
+tier), and the log names what was skipped and why. Each rank then loads its view of the shared
+checkpoint that step makes (:func:`~areal_lightning.write.persist.resume_view`). Every slot but
+the chosen one is unsealed: the run goes on from the chosen step, or from the shared tier.
 """
 
 from __future__ import annotations

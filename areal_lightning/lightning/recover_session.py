@@ -15,9 +15,12 @@ strategy bridge, the trial lock, the resume wiring, the telemetry.
   ``DCPCheckpointIO.write`` gets the store's commit target as an argument: DCP writes every
   rank's shard, and after DCP's save returned (in the background for async saves) rank 0 runs
   the target's ``finalize``: ``recover_info`` and the swap
-  (:mod:`areal_lightning.commit.recover_store`).
-* **resume**: the plan of :mod:`areal_lightning.lightning.resume`, loaded through Lightning's
-  own ``resume_start`` (the IO's ``load_checkpoint``), then RNG and loaders at train start.
+  (:mod:`areal_lightning.commit.recover_store`). With the memory tier
+  (:mod:`areal_lightning.commit.memory_tier`), each rank's slot of the collected checkpoint is
+  written at every memory step, and a shared save of such a step is copied from the slots.
+* **resume**: the plan of :mod:`areal_lightning.lightning.resume`, or the memory tier's newest
+  step every rank can restore when it is not older, loaded through Lightning's own
+  ``resume_start`` (the IO's ``load_checkpoint``), then RNG and loaders at train start.
 """
 
 from __future__ import annotations

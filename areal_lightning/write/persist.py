@@ -141,21 +141,28 @@ def _copy_items(slot: Path, out: Path, items: list[tuple[str, int, int]]) -> int
     return total
 
 
-def persist(slot: Path, out: Path, ranks: CheckpointGroup, then: Callable[[Written], None] | None) -> Written:
-    """Collective (every rank, on the background group of ``ranks``): write the shared checkpoint
-    folder ``out`` (existing, empty) from every rank's sealed ``slot``; rank 0 writes
-    ``.metadata`` and runs ``then(written)``. A failure on any rank is raised on every rank
-    before anything is committed (fault point ``memory.mid_persist``: this rank's data file
-    written, before the agreement)."""
-    rank = dist.get_rank() if ranks.active() else 0
+def _gathered(slot: Path, ranks: CheckpointGroup, what: str, *,
+              background: bool = False) -> tuple[int, list[Metadata], Plan]:
+    """Collective: this rank, every rank's slot ``.metadata`` (a failure to read one is raised on
+    every rank) and their :func:`plan`."""
     error: BaseException | None = None
     mine: Metadata | None = None
     try:
         mine = reader_of(slot).read_metadata()
     except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
         error = exc
-    metas = ranks.agree(error, f"persisting the memory tier's slot {slot}", mine, background=True)
-    merged = plan(metas)
+    metas = ranks.agree(error, what, mine, background=background)
+    return (dist.get_rank() if ranks.active() else 0), metas, plan(metas)
+
+
+def persist(slot: Path, out: Path, ranks: CheckpointGroup, then: Callable[[Written], None] | None) -> Written:
+    """Collective (every rank, on the background group of ``ranks``): write the shared checkpoint
+    folder ``out`` (existing, empty) from every rank's sealed ``slot``; rank 0 writes
+    ``.metadata`` and runs ``then(written)``. A failure on any rank is raised on every rank
+    before anything is committed (fault point ``memory.mid_persist``: this rank's data file
+    written, before the agreement)."""
+    rank, metas, merged = _gathered(slot, ranks, f"persisting the memory tier's slot {slot}", background=True)
+    error: BaseException | None = None
     written = Written()
     try:
         written.nbytes = _copy_items(slot, out / f"__{rank}_0{DATA_SUFFIX}", merged.copies[rank])
@@ -179,15 +186,8 @@ def resume_view(slot: Path, view: Path, ranks: CheckpointGroup) -> Path:
     keys (so the load gives them back to this rank, as from a shared checkpoint), and what only
     rank 0 holds (its skeleton, e.g. a ZeRO optimizer's consolidated state) received from rank 0.
     So every rank resumes what it would resume from the shared tier's checkpoint of that step."""
-    rank = dist.get_rank() if ranks.active() else 0
+    rank, metas, merged = _gathered(slot, ranks, f"memory tier: the slots of the step to resume ({slot})")
     error: BaseException | None = None
-    mine: Metadata | None = None
-    try:
-        mine = reader_of(slot).read_metadata()
-    except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
-        error = exc
-    metas = ranks.agree(error, f"memory tier: the slots of the step to resume ({slot})", mine)
-    merged = plan(metas)
     own = {_key(index): info for index, info in metas[rank].storage_data.items()}
     # what only rank 0 holds (and its skeleton): the other ranks get it from rank 0
     wanted = {_key(index) for index, (owner, info) in merged.origin.items()
