@@ -8,9 +8,10 @@
   (:class:`ConfigError`, :class:`CheckpointCorruptError`, :class:`CheckpointWriteError`,
   :class:`RankFailure`, :class:`RecoverMismatchError`, :class:`StorageError`, :class:`TrialLockedError`,
   :class:`UsageError`, :class:`UnsupportedModelError`, :class:`CheckpointNotFoundError`,
-  :class:`PathOccupiedError`, :class:`IncompatibleVersionError`, :class:`InspectUsageError`; see
+  :class:`PathOccupiedError`, :class:`IncompatibleVersionError`, :class:`InspectUsageError`,
+  :class:`MemorySpaceError`; see
   :mod:`areal_lightning.errors`).
-- :class:`SaverConfig`, :class:`RecoverConfig`, :class:`ExperimentConfig` and
+- :class:`SaverConfig`, :class:`RecoverConfig` (its :class:`MemoryConfig`), :class:`ExperimentConfig` and
   :func:`load_config` read and validate Hydra-style YAML configs;
   :func:`callbacks_from_config` builds the enabled callbacks from one.
 - :func:`convert` writes a recover checkpoint as an HF folder or one Lightning checkpoint file.
@@ -45,6 +46,7 @@ _EXPORTS = {
     "ConfigTypeError": "areal_lightning.errors",
     "ExperimentConfig": "areal_lightning.config",
     "RecoverConfig": "areal_lightning.config",
+    "MemoryConfig": "areal_lightning.config",
     "SaverConfig": "areal_lightning.config",
     "load_config": "areal_lightning.config",
     "FreqController": "areal_lightning.trigger.freq",
@@ -63,6 +65,7 @@ _EXPORTS = {
     "PathOccupiedError": "areal_lightning.errors",
     "IncompatibleVersionError": "areal_lightning.errors",
     "InspectUsageError": "areal_lightning.errors",
+    "MemorySpaceError": "areal_lightning.errors",
     "download_export": "areal_lightning.tools.download",
     "convert": "areal_lightning.tools.convert",
     "AreaLightningError": "areal_lightning.errors",
@@ -89,6 +92,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from areal_lightning.config import (
         ExperimentConfig,
+        MemoryConfig,
         RecoverConfig,
         SaverConfig,
         load_config,
@@ -102,6 +106,7 @@ if TYPE_CHECKING:
         ConfigTypeError,
         IncompatibleVersionError,
         InspectUsageError,
+        MemorySpaceError,
         PathOccupiedError,
         RankFailure,
         RecoverMismatchError,

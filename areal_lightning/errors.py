@@ -81,6 +81,11 @@ class RecoverMismatchError(AreaLightningError, RuntimeError):
     strategy, experiment, trial); the message explains what differs and what to do."""
 
 
+class MemorySpaceError(AreaLightningError, OSError):
+    """The memory tier's tmpfs has too little free space for its slots (the message gives the
+    numbers: ranks on the node, slots, bytes per rank, replicas, and what is free)."""
+
+
 class StorageError(AreaLightningError, RuntimeError):
     """An object store refused or failed an operation; names the bucket and the operation."""
 

@@ -23,7 +23,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from areal_lightning import ConfigError, RecoverCallback
-from areal_lightning.commit.memory_tier import MemorySpaceError, tier_folder
+from areal_lightning import MemorySpaceError
+from areal_lightning.commit.memory_tier import tier_folder
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL
 from areal_lightning.tools.inspect import inspect_path
 from tests.conftest import Crash, CrashAt, make_trainer

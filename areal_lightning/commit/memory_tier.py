@@ -44,7 +44,7 @@ from areal_lightning._fault import fault_point
 from areal_lightning.collective import CheckpointGroup
 from areal_lightning.commit.manifest import verify_files
 from areal_lightning.config import MEMORY_ROOT, MemoryConfig
-from areal_lightning.errors import AreaLightningError, CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, MemorySpaceError
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
 from areal_lightning.write.checksum import Written, file_crc32c
 from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
@@ -53,16 +53,12 @@ from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
 from areal_lightning.write.slot import SlotFile
 
-__all__ = ["MemoryTier", "Seal", "Chosen", "MemorySpaceError", "tier_folder", "local_nbytes", "SEAL_FORMAT",
+__all__ = ["MemoryTier", "Seal", "Chosen", "tier_folder", "local_nbytes", "SEAL_FORMAT",
            "is_tier_folder", "newest_complete_step"]
 
 log = logging.getLogger(__name__)
 
 SEAL_FORMAT = 1
-
-
-class MemorySpaceError(AreaLightningError, OSError):
-    """The memory tier's folder has too little free space for its slots (the message gives the numbers)."""
 
 
 def tier_folder(root: str | None, user: str, experiment: str, trial: str, name: str) -> Path:
