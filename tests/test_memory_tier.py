@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -261,3 +263,64 @@ def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied
     for rank in range(2):
         want, got = step_losses(f"{ref_root}/losses.rank{rank}"), step_losses(tmp_path / f"losses.rank{rank}")
         assert got == want
+
+
+def two_nodes(root: Path, *args: str, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Two ``torchrun`` agents of 2 processes each (static rendezvous on 127.0.0.1: node ranks 0
+    and 1), global ranks 0-3 training into ``root``; node n's memory tier in ``{root}/memory/node{n}``."""
+    from tests.harness.launch import free_port
+
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--max-restarts", "0", str(SCRIPT), "--root", str(root), "--losses", str(root / "losses"),
+               "--devices", "2", "--num-nodes", "2", "--epochs", "3", "--freq-steps", "3", *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=Path(__file__).resolve().parents[1], env={**os.environ, **(env or {})}))
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 0])
+def test_a_lost_node_gets_its_ranks_state_back_from_the_peer_copies(tmp_path, tmp_path_factory, replicas) -> None:
+    """2 nodes x 2 ranks (two torchrun agents on this machine, each node its own tier folder), the
+    memory tier every step, the shared tier every 3 steps. With ``replicas=1`` every process is
+    SIGKILLed in the middle of the peer copy of step 4 and node 1's tier folder deleted (its tmpfs
+    gone with the node): the rerun gives ranks 2 and 3 their slots of step 3 (the newest every
+    peer held) back from ranks 0 and 1 and every rank resumes from the memory tier. With
+    ``replicas=0``, killed after step 5: it falls back to the shared tier's step 3 and says why.
+    Every rank's losses equal an uninterrupted 4-rank run's."""
+    from tests.harness.losses import step_losses
+
+    ref_root, ref = reference_run(tmp_path_factory, [sys.executable, str(SCRIPT), "--root", "{root}", "--losses",
+                                                     "{root}/losses", "--devices", "4", "--epochs", "3",
+                                                     "--freq-steps", "3"], timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    memory = ("--memory", "--replicas", str(replicas))
+    if replicas:  # SIGKILL of every process in the middle of the peer copy of step 4
+        killed = two_nodes(tmp_path, *memory, env={"AREAL_LIGHTNING_FAULT": "memory.mid_replica:kill@4"})
+    else:  # SIGKILL of every process after step 5
+        killed = two_nodes(tmp_path, *memory, "--kill-at-step", "5")
+    assert all(p.returncode != 0 for p in killed)
+    if replicas:
+        assert list((tmp_path / "memory" / "node0").rglob("replica_of_rank2/slot*/SEALED.json"))
+    shutil.rmtree(tmp_path / "memory" / "node1")
+    reruns = two_nodes(tmp_path, *memory)
+    assert all(p.returncode == 0 for p in reruns), reruns[1].stderr[-4000:]
+    logs = reruns[0].stderr + reruns[1].stderr
+    if replicas:  # step 3: the newest step every rank's peer held (the copy of 4 was cut off)
+        steps = re.findall(r"resuming from the memory tier, \S+ after global step (\d+) ", logs)
+        assert steps == ["2"] * 4, logs[-4000:]
+        assert logs.count("restored from the peer copy held by rank") == 2, logs[-4000:]
+    else:
+        assert "step 4: not sealed by rank(s) 2, 3 (nor a peer copy)" in logs and "using the shared tier" in logs
+        steps = re.findall(r"resuming from the shared tier, \S+ after global step (\d+) ", logs)
+        assert steps == ["2"] * 4, logs[-4000:]
+    for rank in range(4):
+        assert step_losses(tmp_path / f"losses.rank{rank}") == step_losses(f"{ref_root}/losses.rank{rank}")

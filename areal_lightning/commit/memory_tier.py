@@ -8,11 +8,13 @@ holds every item's CRC32C) and the ``recover_info`` of the save. Files on tmpfs 
 process that wrote them, SIGKILL included, with no keeper process.
 
 Writing (:meth:`MemoryTier.write`, every rank at the save point): the next slot is the oldest
-one that is not the newest sealed one, so a sealed state is never overwritten before a newer
-one is sealed; it is unsealed first (its seal removed), then the state is copied into its
-mapped file (the part training waits for), then, in one background thread, the checksums,
-``.metadata`` and the seal. No step is skipped: a slot still being finished is waited for, and
-the wait is reported as the stall.
+one that is not the newest sealed one (nor, with peer copies, the newest one every peer holds),
+so a sealed state is never overwritten before a newer one is sealed; it is unsealed first (its
+seal removed), then the state is copied into its mapped file while a second thread checksums
+what was copied, then ``.metadata`` and the seal are written: all of it before training goes
+on, so a crash after a step's save point never loses that step (at most the step in flight is
+trained again). No step is skipped: a slot still being read (copied to the shared tier or to
+the peer) is waited for, and the wait is reported as the stall.
 
 The shared tier from the slots (:meth:`MemoryTier.persist`, collective, in a background
 thread once the slot is sealed): :func:`~areal_lightning.write.persist.persist` copies every
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from areal_lightning._fault import fault_point
 from areal_lightning.collective import CheckpointGroup
 from areal_lightning.commit.manifest import verify_files
@@ -49,6 +52,7 @@ from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
 from areal_lightning.write.checksum import Written, file_crc32c
 from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
 from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
+from areal_lightning.commit.peer import PeerCopy, receive_slot, send_slot
 from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
 from areal_lightning.write.slot import SlotFile
@@ -176,13 +180,21 @@ class MemoryTier:
         ranks_per_node: ranks sharing this node's tmpfs (for the free-space check).
     """
 
-    def __init__(self, config: MemoryConfig, folder: Path, rank: int, ranks_per_node: int = 1) -> None:
+    def __init__(self, config: MemoryConfig, folder: Path, rank: int, ranks_per_node: int = 1,
+                 world_size: int = 1, timeout_s: float = 900.0) -> None:
         self.config = config
         self.folder = folder
         self.rank = rank
         self.ranks_per_node = max(1, ranks_per_node)
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.peers = config.replicas > 0 and world_size // self.ranks_per_node >= 2
+        """Whether each slot is also copied to a rank of another node (``replicas=1``, 2+ nodes)."""
+        self._peer: PeerCopy | None = None
+        self._replicator: ThreadPoolExecutor | None = None
+        self._replicating: dict[int, tuple[int, Future]] = {}  # slot -> (serial, its copy to the peer)
+        self._replicated: int | None = None  # the slot of the newest step every rank's peer holds: kept
         self._files: dict[int, SlotFile] = {}
-        self._busy: dict[int, tuple[int, Future]] = {}  # slot -> (serial, its background part)
         self._sealed: dict[int, int] = {}  # slot -> its sealed serial (this process's view)
         self._serial = 0
         self._newest: int | None = None  # the slot of the newest sealed state (never the next one written)
@@ -253,41 +265,51 @@ class MemoryTier:
         ``fresh_start``: the user deleted the shared tier's ``recover_info`` (the documented
         fresh start): slots that follow a shared save are not taken."""
         start = time.perf_counter()
-        mine = self.held()
-        # Duplicates of a step (none are written, but a copied folder could hold them): the newest serial.
-        by_step: dict[int, Seal] = {}
-        for seal in reversed(mine):
-            by_step[seal.global_step] = seal
-        report = {step: (seal.world_size, seal.lineage) for step, seal in by_step.items()}
+        by_step = self._by_step()
+        own = {step: (seal.world_size, seal.lineage) for step, seal in by_step.items()}
+        copies = self.replicas_held()  # {source rank: {step: seal}}: the peer copies this node holds
+        report = {"own": own, "copies": {src: {step: (seal.world_size, seal.lineage) for step, seal in held.items()}
+                                         for src, held in copies.items()}}
         everyone = ranks.agree(None, "memory tier: the steps each rank holds", report) if world_size > 1 else [report]
         skipped: list[str] = []
-        steps = sorted(set().union(*(set(r) for r in everyone)), reverse=True)
+        steps = sorted(set().union(*(set(r["own"]) | {step for held in r["copies"].values() for step in held}
+                                     for r in everyone)), reverse=True)
         chosen: Chosen | None = None
         for step in steps:
-            missing = [r for r, held in enumerate(everyone) if step not in held]
-            worlds = {held[step][0] for held in everyone if step in held}
             if shared_step is not None and step < shared_step:
                 break
+            # who lacks the step, and which rank holds a peer copy of its slot
+            holders = {r: next((h for h, held in enumerate(everyone) if step in held["copies"].get(r, {})), None)
+                       for r, held in enumerate(everyone) if step not in held["own"]}
+            missing = [r for r, h in holders.items() if h is None]
             if missing:
-                skipped.append(f"step {step}: not sealed by rank(s) {', '.join(map(str, missing[:8]))}")
+                skipped.append(f"step {step}: not sealed by rank(s) {', '.join(map(str, missing[:8]))} (nor a peer copy)")
                 continue
+            records = [held["own"][step] if step in held["own"] else everyone[holders[r]]["copies"][r][step]
+                       for r, held in enumerate(everyone)]
+            worlds = {world for world, _ in records}
             if worlds != {world_size}:
                 skipped.append(f"step {step}: written by {sorted(worlds)} rank(s), this run has {world_size}")
                 continue
-            lineage = everyone[0][step][1]
+            lineage = records[0][1]
             if fresh_start and lineage is not None:
                 skipped.append(f"step {step}: it follows the shared save of global step {lineage}, whose "
                                "recover_info is gone (deleted: a fresh start)")
                 continue
-            reason, nbytes = self.verify(by_step[step])
-            info = by_step[step].info if self.rank == 0 else None
+            if holders:  # a lost node's ranks get their slots back from the peers holding them
+                self._restore(step, holders, copies, ranks)
+                by_step = self._by_step()
+            seal = by_step.get(step)
+            reason, nbytes = self.verify(seal) if seal is not None else ("its slot was not restored", 0)
+            info = seal.info if self.rank == 0 and seal is not None else None
             answers = ranks.agree(None, "memory tier: the slots check", (reason, info)) if world_size > 1 \
                 else [(reason, info)]
             bad = [f"rank {r}: {why}" for r, (why, _) in enumerate(answers) if why is not None]
             if bad:
                 skipped.append(f"step {step}: {'; '.join(bad[:4])}")
                 continue
-            chosen = Chosen(by_step[step], answers[0][1], nbytes, time.perf_counter() - start)
+            assert seal is not None
+            chosen = Chosen(seal, answers[0][1], nbytes, time.perf_counter() - start)
             break
         if chosen is not None:  # what this rank loads: the shared checkpoint's view of this step
             shutil.rmtree(self.view_folder, ignore_errors=True)
@@ -299,6 +321,37 @@ class MemoryTier:
         self._keep_only(chosen.seal if chosen is not None else None)
         return chosen
 
+    def _by_step(self) -> dict[int, Seal]:
+        """This rank's sealed slots by step (of duplicates, none written but a copied folder could
+        hold them, the newest serial)."""
+        by_step: dict[int, Seal] = {}
+        for seal in reversed(self.held()):
+            by_step[seal.global_step] = seal
+        return by_step
+
+    def replicas_held(self) -> dict[int, dict[int, Seal]]:
+        """The peer copies this node holds: ``{source rank: {step: seal}}``."""
+        out: dict[int, dict[int, Seal]] = {}
+        for seal_file in self.folder.glob(f"replica_of_rank*/slot*/{MEMORY_SEAL}") if self.folder.is_dir() else ():
+            source, slot = seal_file.parent.parent.name[len("replica_of_rank"):], seal_file.parent.name[len("slot"):]
+            seal = _read_seal(seal_file.parent, int(slot)) if source.isdigit() and slot.isdigit() else None
+            if seal is not None:
+                out.setdefault(int(source), {})[seal.global_step] = seal
+        return out
+
+    def _restore(self, step: int, holders: dict[int, int], copies: dict[int, dict[int, Seal]],
+                 ranks: CheckpointGroup) -> None:
+        """Collective: each rank in ``holders`` (lacking ``step``) receives its slot of it from
+        the rank holding its peer copy, into one of its own slots, sealed last."""
+        group = ranks.group if ranks.active() else None
+        for target, holder in sorted(holders.items()):
+            if self.rank == holder:
+                send_slot(copies[target][step].path, target, group)
+            elif self.rank == target:
+                receive_slot(self.slot_folder(0), holder, group)
+                log.warning("RecoverCallback: memory tier: rank %d's slot of global step %d restored from the "
+                                "peer copy held by rank %d", target, step, holder)
+
     def discard(self) -> None:
         """Unseal every slot (this fit does not continue from the memory tier: a fresh start, or
         an explicit ``ckpt_path``): a later crash must not resume a state of another run."""
@@ -309,7 +362,12 @@ class MemoryTier:
         for k in self._slot_numbers():
             if seal is None or k != seal.slot:
                 _unseal(self.slot_folder(k))
+        for held in self.replicas_held().values():  # peer copies of steps this run will train again
+            for step, copy in held.items():
+                if seal is None or step > seal.global_step:
+                    _unseal(copy.path)
         self._newest = seal.slot if seal is not None else None
+        self._replicated = None
         self._sealed = {seal.slot: seal.serial} if seal is not None else {}
         self._serial = seal.serial if seal is not None else 0
         self._last_step = seal.global_step if seal is not None else None
@@ -318,8 +376,8 @@ class MemoryTier:
 
     def write(self, checkpoint: Mapping[str, Any], *, global_step: int, world_size: int, lineage: int | None,
               info: dict[str, Any]) -> None:
-        """Write this rank's state into the next slot and seal it in the background (see the
-        module doc); raises a failure of an earlier slot's background part."""
+        """Write this rank's state into the next slot and seal it (see the module doc); raises a
+        failure of an earlier background part (a peer copy)."""
         self._raise_failure()
         start = time.perf_counter()
         if self._last_step is not None and self._last_slot is None:  # the first write after a resume
@@ -347,17 +405,48 @@ class MemoryTier:
                 layout = ByteLayout(key, 1)
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
-            file.copy(flat)
+            written.hash_s = file.copy(flat, self._hasher())
             finish = file
         self._serial += 1
         seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,
                 "rank": self.rank, "lineage": lineage, "time": time.time(), "info": info}
+        self._finish(slot, finish, skeleton, written, seal)  # sealed before training goes on
         self._last_step = global_step
         self.last_copy_s = time.perf_counter() - start - self.last_stall_s
         self.last_written = written
-        self._busy[slot] = (self._serial, self._background().submit(self._finish, slot, finish, skeleton, written,
-                                                                     seal))
         self._last_slot = slot
+        if self.peers:
+            self._replicate(slot, self._serial, global_step)
+
+    def _replicate(self, slot: int, serial: int, step: int) -> None:
+        """The copy of the slot to the peer (and the source's to this node), once sealed, in the
+        background, in step order; the slot is not written again before it is sent."""
+        if self._peer is None:  # every rank at its first write: the group is made collectively
+            self._peer = PeerCopy(self.folder, self.rank, self.world_size, self.ranks_per_node, self.timeout_s)
+            self._replicator = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-peer")
+
+        def job() -> None:
+            try:
+                assert self._peer is not None
+                self._peer.copy(self.slot_folder(slot), serial, step)
+                # Every rank's peer holds this step: each rank keeps its own slot of it until a
+                # newer step is so held (a lost node's ranks and the others then share a step).
+                dist.barrier(group=self._peer.group)
+                self._replicated, self._peer.replicated_step = slot, step
+            except BaseException as exc:  # noqa: BLE001 - raised by the next write / wait
+                self._failure = exc
+                raise
+
+        assert self._replicator is not None
+        self._replicating[slot] = (serial, self._replicator.submit(job))
+
+    @property
+    def replica_lag(self) -> int | None:
+        """Steps this rank sealed that its peer does not hold yet (``None``: no peer copy)."""
+        if not self.peers or self._last_step is None:
+            return None
+        done = self._peer.replicated_step if self._peer is not None else None
+        return self._last_step - done if done is not None else self._last_step
 
     def persist(self, out: Path, ranks: CheckpointGroup, then: Callable[[Written], None] | None) -> None:
         """Collective: write the shared tier's checkpoint folder ``out`` from the slot of the last
@@ -367,12 +456,10 @@ class MemoryTier:
         slot = self._last_slot
         if slot is None:
             raise CheckpointWriteError("the memory tier has no slot to persist (none written by this run)")
-        serial, sealing = self._busy.get(slot, (self._serial, None))
+        serial = self._serial
 
         def job() -> None:
             try:
-                if sealing is not None:
-                    sealing.result()
                 persist_slot(self.slot_folder(slot), out, ranks, then)
             except BaseException as exc:  # noqa: BLE001 - raised by wait_persist
                 self._persist_failure = exc
@@ -397,39 +484,40 @@ class MemoryTier:
 
     def _finish(self, slot: int, file: SlotFile | None, skeleton: bytes, written: Written,
                 seal: dict[str, Any]) -> None:
-        try:
-            folder = self.slot_folder(slot)
-            if file is not None:
-                file.finish(skeleton, written)
-            fault_point("memory.before_seal")
-            seal["metadata_crc32c"] = file_crc32c(folder / COMMIT_MARKER)
-            tmp = folder / f"{MEMORY_SEAL}.tmp"
-            tmp.write_text(json.dumps(seal))
-            os.replace(tmp, folder / MEMORY_SEAL)
-            self._sealed[slot] = seal["serial"]
-            self._newest = slot
-            fault_point("memory.after_seal")
-        except BaseException as exc:  # noqa: BLE001 - raised by the next write / wait
-            self._failure = exc
-            raise
+        folder = self.slot_folder(slot)
+        if file is not None:
+            file.finish(skeleton, written)
+        fault_point("memory.before_seal")
+        seal["metadata_crc32c"] = file_crc32c(folder / COMMIT_MARKER)
+        tmp = folder / f"{MEMORY_SEAL}.tmp"
+        tmp.write_text(json.dumps(seal))
+        os.replace(tmp, folder / MEMORY_SEAL)
+        self._sealed[slot] = seal["serial"]
+        self._newest = slot
+        fault_point("memory.after_seal")
 
     def _next_slot(self) -> int:
         """The slot written next: one neither being finished nor holding the newest sealed state
         (unsealed ones first, then the oldest); when there is none, wait for the oldest slot
         being finished (the stall), whose seal frees the one sealed before it."""
         while True:
-            for pending in (self._busy, self._reading):
+            for pending in (self._reading, self._replicating):
                 for k, (_, future) in list(pending.items()):
                     if future.done():
                         del pending[k]
-            taken = set(self._busy) | set(self._reading)
+            taken = set(self._reading) | set(self._replicating) | {self._newest, self._replicated}
             for k in range(self.config.slots):  # an unsealed slot first
-                if k not in taken and k != self._newest and k not in self._sealed:
+                if k not in taken and k not in self._sealed:
                     return k
-            free = [k for k in self._sealed if k not in taken and k != self._newest]
+            free = [k for k in self._sealed if k not in taken]
             if free:
                 return min(free, key=lambda k: self._sealed[k])
-            waits = [(serial, future) for serial, future in (*self._busy.values(), *self._reading.values())]
+            waits = [(serial, future) for serial, future in
+                     (*self._reading.values(), *self._replicating.values())]
+            if not waits:  # the peer copy failed: its failure is raised by write()
+                self._raise_failure()
+                self._replicated = None
+                continue
             try:
                 min(waits, key=lambda w: w[0])[1].result()
             except BaseException:  # noqa: BLE001 - kept in _failure / _persist_failure, raised later
@@ -471,9 +559,10 @@ class MemoryTier:
         if file is not None:
             file.close()
 
-    def _background(self) -> ThreadPoolExecutor:
+    def _hasher(self) -> ThreadPoolExecutor:
+        """The thread checksumming a slot's items while they are copied."""
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-tier")
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-hash")
         return self._thread
 
     def _raise_failure(self) -> None:
@@ -484,13 +573,13 @@ class MemoryTier:
     # -- end --------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Until every slot written is sealed; raises a background failure."""
-        for _, busy in list(self._busy.values()):
+        """Until every peer copy started is done; raises a background failure."""
+        for _, busy in list(self._replicating.values()):
             try:
                 busy.result()
             except BaseException:  # noqa: BLE001 - kept in _failure, raised below
                 pass
-        self._busy.clear()
+        self._replicating.clear()
         self._raise_failure()
 
     def close(self) -> None:
@@ -502,10 +591,13 @@ class MemoryTier:
                 log.error("RecoverCallback: %s", exc)
         for slot in list(self._files):
             self._drop_file(slot)
-        for pool in (self._thread, self._persister):
+        for pool in (self._thread, self._persister, self._replicator):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._thread = self._persister = None
+        self._thread = self._persister = self._replicator = None
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -514,6 +606,8 @@ class MemoryTier:
         """Delete this rank's slots (``fit`` ended normally), then the tier's folders left empty."""
         self.close()
         shutil.rmtree(self.rank_folder, ignore_errors=True)
+        for source in self.folder.glob("replica_of_rank*"):  # the copies this node holds of other ranks
+            shutil.rmtree(source, ignore_errors=True)
         for parent in (self.folder, *list(self.folder.parents)[:3]):
             try:
                 parent.rmdir()

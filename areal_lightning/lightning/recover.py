@@ -254,7 +254,12 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             return None
         folder = tier_folder(memory.root, self.layout.user, self.layout.experiment_name, self.layout.trial_name,
                              self.name)
-        return MemoryTier(memory, folder, trainer.global_rank, trainer.num_devices)
+        tier = MemoryTier(memory, folder, trainer.global_rank, trainer.num_devices, trainer.world_size,
+                          self.collective_timeout)
+        if memory.replicas and not tier.peers and trainer.is_global_zero:
+            log.warning("RecoverCallback: recover.memory.replicas=%d needs 2 nodes or more (this run: %d rank(s), %d a "
+                        "node): no peer copy is written", memory.replicas, trainer.world_size, trainer.num_devices)
+        return tier
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.enabled:

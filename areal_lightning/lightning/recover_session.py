@@ -540,8 +540,12 @@ class RecoverSession:
             self.ranks.agree(error, f"memory tier slot of global step {steps}")
         elif error is not None:
             raise error
-        self.telemetry.note(steps, {"checkpoint/memory/blocked_s": tier.last_copy_s + tier.last_stall_s,
-                                    "checkpoint/memory/stall_s": tier.last_stall_s})
+        metrics = {"checkpoint/memory/blocked_s": tier.last_copy_s + tier.last_stall_s,
+                   "checkpoint/memory/stall_s": tier.last_stall_s}
+        lag = tier.replica_lag
+        if lag is not None:
+            metrics["checkpoint/memory/replica_lag_steps"] = float(lag)
+        self.telemetry.note(steps, metrics)
 
     def _committed(self, timer: SaveTimer) -> Callable[[Any], None]:
         def committed(written: Any) -> None:  # rank 0, after the commit (in the background when async)

@@ -53,6 +53,8 @@ OBJECT_STORE_POINTS = ["objectstore.mid_upload", "objectstore.before_marker", "o
 # The memory tier's points are reached only with the tier on (--memory: a slot after every step).
 MEMORY_POINTS = ["memory.mid_copy", "memory.before_metadata", "memory.before_seal", "memory.after_seal",
                  "memory.mid_persist"]
+# Reached with peer copies only (2 nodes): tests/test_memory_tier.py SIGKILLs both nodes there.
+PEER_POINTS = ["memory.mid_replica"]
 # @1: killed while the very first checkpoint is written, so the restart is a fresh start.
 ASYNC_SUBSET = ["engine.after_shard_file@1", "recover.swap.new_checkpoint_in_place", "hf.before_publish", "hf.prune"]
 DDP_SUBSET = ["engine.after_shard_file", "recover.swap.old_info_moved", "hf.prune"]
@@ -83,7 +85,7 @@ def cases_by_point(doc: dict) -> dict[str, dict]:
 
 
 def test_sync_order_lists_every_point() -> None:
-    assert sorted(SYNC_ORDER + OBJECT_STORE_POINTS + MEMORY_POINTS) == sorted(POINTS)
+    assert sorted(SYNC_ORDER + OBJECT_STORE_POINTS + MEMORY_POINTS + PEER_POINTS) == sorted(POINTS)
 
 
 def test_every_fault_point_sync_and_a_subset_async_single_process(tmp_path) -> None:
@@ -92,7 +94,7 @@ def test_every_fault_point_sync_and_a_subset_async_single_process(tmp_path) -> N
     doc = certify(tmp_path, "--chain", "--jobs", "2", "--modes", "sync,async", "--strict",
                   "--points", "sync=" + ",".join(SYNC_ORDER), "--points", "async=" + ",".join(ASYNC_SUBSET))
     sync = {c["point"]: c for c in doc["cases"] if c["mode"] == "sync"}
-    assert set(sync) == set(POINTS) - set(OBJECT_STORE_POINTS) - set(MEMORY_POINTS)
+    assert set(sync) == set(POINTS) - set(OBJECT_STORE_POINTS) - set(MEMORY_POINTS) - set(PEER_POINTS)
     assert sorted(c["point"] for c in doc["cases"] if c["mode"] == "async") == sorted(
         p.partition("@")[0] for p in ASYNC_SUBSET)
     assert all(c["status"] == "pass" and c["killed"] for c in doc["cases"])

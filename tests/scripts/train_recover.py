@@ -134,7 +134,10 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps, times (rank + 1)")
     p.add_argument("--sigterm-at-step", type=int, default=None, help="SIGTERM to itself at the end of that step")
     p.add_argument("--sigterm-rank", type=int, default=0, help="the rank --sigterm-at-step signals")
-    p.add_argument("--memory", action="store_true", help="the memory tier too (a slot every step) in {root}/memory")
+    p.add_argument("--memory", action="store_true", help="the memory tier too (a slot every step) in {root}/memory "
+                   "(with --num-nodes 2: {root}/memory/node{GROUP_RANK}, each node its own)")
+    p.add_argument("--replicas", type=int, default=0, help="the memory tier's peer copies (0 or 1)")
+    p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...), under torchrun agents")
     p.add_argument("--disk-full-at-step", type=int, default=None, help="limit file sizes (RLIMIT_FSIZE) from then on")
     args = p.parse_args()
 
@@ -144,6 +147,8 @@ def main() -> None:
         os.environ["AWS_SECRET_ACCESS_KEY"] = os.environ["RANK1_AWS_SECRET_ACCESS_KEY"]
     pl.seed_everything(7 * rank if args.rank_seed else 0, workers=True, verbose=False)
     losses = f"{args.losses}.rank{rank}" if args.devices > 1 else args.losses
+    if args.num_nodes > 1:  # one file per global rank
+        losses = f"{args.losses}.rank{os.environ['RANK']}"
     if args.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader as Loader
     else:
@@ -153,7 +158,9 @@ def main() -> None:
                               freq_steps=args.freq_steps, freq_epochs=args.freq_epochs, freq_secs=args.freq_secs,
                               io_mode=args.io_mode,
                               storage_options=json.loads(args.storage_options) if args.storage_options else None,
-                              memory={"root": os.path.join(args.root, "memory")} if args.memory else None)
+                              memory={"root": os.path.join(args.root, "memory", *(
+                                  [f"node{os.environ['GROUP_RANK']}"] if args.num_nodes > 1 else [])),
+                                      "replicas": args.replicas} if args.memory else None)
     callbacks = [recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
@@ -179,6 +186,7 @@ def main() -> None:
     else:
         strategy = "ddp" if args.devices > 1 or explicit else "auto"
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, logger=logger,
+                         num_nodes=args.num_nodes,
                          strategy=strategy,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks, log_every_n_steps=1)
