@@ -8,13 +8,14 @@ Usage::
 
 A real Lightning ``Trainer`` (CPU) trains a Llama built from its config, with ``RecoverCallback``:
 
-1. **blocked**: one process, the memory tier on ``/dev/shm`` every step. Per step, what the save
+1. **blocked**: one process, the memory tier on ``/dev/shm`` every step (each run in a fresh
+   process, the shared tier's final save on ``/dev/shm`` too: see :func:`child_runs`). Per step, what the save
    point held training for the tier (the copy of the state into its slot, plus any wait for a
    slot: the stall), read from the callback's ``checkpoint/memory/*`` metrics, against the peer:
    a host copy of the same tensors (``copy_`` into buffers made once) and one ``memcpy`` of the
    same bytes, measured in the same process. Also the step time with and without the tier.
 2. **stall**: ``--ranks`` DDP ranks (gloo), the tier every step and the shared tier every 4
-   steps (copied from the slots): the stall as a share of the step, and the step time against
+   steps (copied from the slots, on ``/dev/shm``): the stall as a share of the step, and the step time against
    the same run without the tier.
 3. **resume**: a run crashed after step 6 (tier every step, shared tier every 4 steps on
    ``--workdir`` disk): the time from ``fit`` to the first trained batch of the rerun when it
@@ -170,46 +171,56 @@ def host_copy_s(state: list[torch.Tensor], repeats: int = 5) -> tuple[float, flo
     return statistics.median(copies), statistics.median(memcpys), nbytes
 
 
+def child_runs(args: argparse.Namespace, work: Path, ranks: int, freq_steps: int | None) -> dict[bool, dict[str, Any]]:
+    """The run without and with the tier, each in a fresh process (``ranks`` DDP ranks when > 1):
+    a run right after another in one process has slow steps for seconds (the kernel busy with the
+    memory the first one freed: measured, not explained), which is no cost of the tier."""
+    out = {}
+    for memory in (False, True):
+        result = work / f"child_{ranks}_{memory}.json"
+        cmd = [sys.executable, __file__, "--_child", str(result), "--hidden", str(args.hidden), "--layers",
+               str(args.layers), "--vocab", str(args.vocab), "--steps", str(args.steps), "--ranks", str(ranks),
+               "--workdir", str(work), "--shm", args.shm, "--seq", str(args.seq), "--batch", str(args.batch)]
+        cmd += ["--_memory"] if memory else []
+        cmd += ["--_freq-steps", str(freq_steps)] if freq_steps else []
+        subprocess.run(cmd, check=True, timeout=3600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out[memory] = json.loads(result.read_text())
+    return out
+
+
 def blocked(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    steps = args.steps
-    off = fit(args, work / "off", memory=False, steps=steps)
-    on = fit(args, work / "on", memory=True, steps=steps)
-    rows = [r for r in on["rows"] if "checkpoint/memory/blocked_s" in r][1:]  # the first maps the slot files
-    blocked_s = statistics.median(r["checkpoint/memory/blocked_s"] for r in rows)
-    stall_s = statistics.median(r["checkpoint/memory/stall_s"] for r in rows)
-    copy_s, memcpy_s, nbytes = host_copy_s(on["state"])
-    return {"state_mb": nbytes / 1e6, "blocked_s": blocked_s, "stall_s": stall_s, "host_copy_s": copy_s,
-            "memcpy_s": memcpy_s, "blocked_vs_host_copy": blocked_s / copy_s, "blocked_vs_memcpy": blocked_s / memcpy_s,
-            "step_s_off": statistics.median(off["step_s"][1:]), "step_s_on": statistics.median(on["step_s"][1:])}
+    """One process: what the tier holds each step against a host copy of the same state."""
+    runs = child_runs(args, work, 1, None)
+    on, off = runs[True], runs[False]
+    return {"state_mb": on["state_mb"], "blocked_s": on["blocked_s"], "stall_s": on["stall_s"],
+            "host_copy_s": on["host_copy_s"], "memcpy_s": on["memcpy_s"],
+            "blocked_vs_host_copy": on["blocked_s"] / on["host_copy_s"],
+            "blocked_vs_memcpy": on["blocked_s"] / on["memcpy_s"],
+            "step_s_off": off["step_s"], "step_s_on": on["step_s"]}
 
 
 def stall(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """``--ranks`` DDP ranks, in a child process (Lightning launches the other ranks)."""
-    out = {}
-    for memory in (False, True):
-        result = work / f"stall_{memory}.json"
-        cmd = [sys.executable, __file__, "--_stall-child", str(result), "--hidden", str(args.hidden), "--layers",
-               str(args.layers), "--vocab", str(args.vocab), "--steps", str(args.steps), "--ranks", str(args.ranks),
-               "--workdir", str(work), "--shm", args.shm, "--seq", str(args.seq), "--batch", str(args.batch)]
-        if memory:
-            cmd.append("--_memory")
-        subprocess.run(cmd, check=True, timeout=3600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out[memory] = json.loads(result.read_text())
-    on, off = out[True], out[False]
+    """``--ranks`` DDP ranks, the shared tier every 4 steps copied from the slots."""
+    runs = child_runs(args, work, args.ranks, 4)
+    on, off = runs[True], runs[False]
     return {"ranks": args.ranks, "step_s_off": off["step_s"], "step_s_on": on["step_s"],
             "stall_s": on["stall_s"], "stall_share": on["stall_s"] / on["step_s"] if on["step_s"] else 0.0,
             "blocked_s": on["blocked_s"], "overhead": on["step_s"] / off["step_s"] - 1}
 
 
-def stall_child(args: argparse.Namespace) -> None:
-    root = Path(args.workdir) / f"stall_{args._memory}"
-    result = fit(args, root, memory=args._memory, steps=args.steps, devices=args.ranks, freq_steps=4)
-    rows = [r for r in result["rows"] if "checkpoint/memory/stall_s" in r][1:]
+def child(args: argparse.Namespace) -> None:
+    name = f"child_{args.ranks}_{args._memory}"
+    result = fit(args, Path(args.workdir) / name, memory=args._memory, steps=args.steps, devices=args.ranks,
+                 freq_steps=args._freq_steps, fileroot=str(Path(args.shm) / "shared" / name))
+    rows = [r for r in result["rows"] if "checkpoint/memory/blocked_s" in r][1:]  # the first maps the slot files
     doc = {"step_s": statistics.median(result["step_s"][1:]),
            "stall_s": statistics.mean(r["checkpoint/memory/stall_s"] for r in rows) if rows else 0.0,
            "blocked_s": statistics.median(r["checkpoint/memory/blocked_s"] for r in rows) if rows else 0.0}
+    if args._memory:
+        copy_s, memcpy_s, nbytes = host_copy_s(result["state"])
+        doc.update(host_copy_s=copy_s, memcpy_s=memcpy_s, state_mb=nbytes / 1e6)
     if result["rank"] == 0:
-        Path(args._stall_child).write_text(json.dumps(doc))
+        Path(args._child).write_text(json.dumps(doc))
 
 
 def resume(args: argparse.Namespace, work: Path, moto: bool) -> dict[str, Any]:
@@ -278,8 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-moto", action="store_true", help="skip the resume from a moto S3 bucket")
     parser.add_argument("--workdir", default=None, help="where the shared tier's temporary folder goes (default: /tmp)")
     parser.add_argument("--shm", default="/dev/shm/areal-bench-memory-tier", help="the memory tier's root")
-    parser.add_argument("--_stall-child", dest="_stall_child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_child", dest="_child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_freq-steps", dest="_freq_steps", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import logging
@@ -288,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    if args._stall_child:
-        stall_child(args)
+    if args._child:
+        child(args)
         return
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -303,8 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         doc["resume"] = resume(args, work, moto=not args.no_moto)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        for name in ("off", "on", "stall_False", "stall_True", "resume_memory", "resume_shared_disk",
-                     "resume_shared_moto_s3"):  # the tier folders this run made (not the root itself)
+        for name in ("child_1_False", "child_1_True", f"child_{args.ranks}_False", f"child_{args.ranks}_True",
+                     "resume_memory", "resume_shared_disk", "resume_shared_moto_s3", "shared"):
+            # the folders this run made (not the root itself)
             shutil.rmtree(Path(args.shm) / name, ignore_errors=True)
     print(report(doc))
     write_json(args.json, doc)
