@@ -208,9 +208,10 @@ class MemoryTier:
         self._failure: BaseException | None = None
         self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (sharded tensors)
         self.last_copy_s = 0.0
-        """Seconds the last :meth:`write` held training (flatten, skeleton, the copy into the slot)."""
+        """Seconds the last :meth:`write` held training besides the stall (flatten, skeleton, the
+        copy into the slot and its checksums, ``.metadata``, the seal)."""
         self.last_stall_s = 0.0
-        """Seconds the last :meth:`write` waited for a slot still being finished."""
+        """Seconds the last :meth:`write` waited for a slot still being read."""
         self.last_written: Written | None = None
 
     @property
@@ -419,7 +420,7 @@ class MemoryTier:
             self._replicate(slot, self._serial, global_step)
 
     def _replicate(self, slot: int, serial: int, step: int) -> None:
-        """The copy of the slot to the peer (and the source's to this node), once sealed, in the
+        """The copy of the sealed slot to the peer (and the source's to this node), in the
         background, in step order; the slot is not written again before it is sent."""
         if self._peer is None:  # every rank at its first write: the group is made collectively
             self._peer = PeerCopy(self.folder, self.rank, self.world_size, self.ranks_per_node, self.timeout_s)
@@ -449,8 +450,8 @@ class MemoryTier:
         return self._last_step - done if done is not None else self._last_step
 
     def persist(self, out: Path, ranks: CheckpointGroup, then: Callable[[Written], None] | None) -> None:
-        """Collective: write the shared tier's checkpoint folder ``out`` from the slot of the last
-        :meth:`write` (every rank's), in the background once the slot is sealed
+        """Collective: write the shared tier's checkpoint folder ``out`` from the (sealed) slot of
+        the last :meth:`write` (every rank's), in the background
         (:func:`~areal_lightning.write.persist.persist`; rank 0 commits with ``then``). The slot
         is not written again until it is copied; a failure is raised by :meth:`wait_persist`."""
         slot = self._last_slot
@@ -497,9 +498,10 @@ class MemoryTier:
         fault_point("memory.after_seal")
 
     def _next_slot(self) -> int:
-        """The slot written next: one neither being finished nor holding the newest sealed state
-        (unsealed ones first, then the oldest); when there is none, wait for the oldest slot
-        being finished (the stall), whose seal frees the one sealed before it."""
+        """The slot written next: one neither being read (copied to the shared tier or to the
+        peer) nor holding the newest sealed state, nor, with peer copies, the newest state every
+        peer holds (unsealed ones first, then the oldest); when there is none, wait for the
+        oldest read to finish (the stall)."""
         while True:
             for pending in (self._reading, self._replicating):
                 for k, (_, future) in list(pending.items()):
