@@ -58,7 +58,7 @@ from areal_lightning.write.persist import resume_view
 from areal_lightning.write.slot import SlotFile
 
 __all__ = ["MemoryTier", "Seal", "Chosen", "tier_folder", "local_nbytes", "SEAL_FORMAT",
-           "is_tier_folder", "newest_complete_step"]
+           "is_tier_folder", "newest_complete_step", "verify_slot"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,27 @@ def local_nbytes(state: Any) -> int:
 
     walk(state)
     return total
+
+
+def verify_slot(seal: Seal) -> tuple[str | None, int]:
+    """Check a sealed slot: ``.metadata``'s CRC32C against the seal, every item's CRC32C.
+    Returns (``None`` or why it cannot be restored, bytes read)."""
+    try:
+        if file_crc32c(seal.path / COMMIT_MARKER) != seal.metadata_crc32c:
+            return f"{seal.path / COMMIT_MARKER} fails its CRC32C check", 0
+        return None, verify_files(seal.path, "the slot is damaged")
+    except (OSError, CheckpointCorruptError) as exc:
+        return str(exc), 0
+
+
+def _join(pending: dict[int, tuple[int, Future]]) -> None:
+    """Wait for every background job of ``pending`` (their failures are kept by the jobs), then forget them."""
+    for _, future in list(pending.values()):
+        try:
+            future.result()
+        except BaseException:  # noqa: BLE001 - kept by the job, raised by the caller
+            pass
+    pending.clear()
 
 
 def _existing(path: Path) -> Path:
@@ -212,7 +233,6 @@ class MemoryTier:
         copy into the slot and its checksums, ``.metadata``, the seal)."""
         self.last_stall_s = 0.0
         """Seconds the last :meth:`write` waited for a slot still being read."""
-        self.last_written: Written | None = None
 
     @property
     def rank_folder(self) -> Path:
@@ -245,16 +265,6 @@ class MemoryTier:
         """This rank's sealed slots, newest first (by serial)."""
         seals = [seal for k in self._slot_numbers() if (seal := _read_seal(self.slot_folder(k), k)) is not None]
         return sorted(seals, key=lambda s: s.serial, reverse=True)
-
-    def verify(self, seal: Seal) -> tuple[str | None, int]:
-        """Check a sealed slot: ``.metadata``'s CRC32C against the seal, every item's CRC32C.
-        Returns (``None`` or why it cannot be restored, bytes read)."""
-        try:
-            if file_crc32c(seal.path / COMMIT_MARKER) != seal.metadata_crc32c:
-                return f"{seal.path / COMMIT_MARKER} fails its CRC32C check", 0
-            return None, verify_files(seal.path, "the slot is damaged")
-        except (OSError, CheckpointCorruptError) as exc:
-            return str(exc), 0
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -301,7 +311,7 @@ class MemoryTier:
                 self._restore(step, holders, copies, ranks)
                 by_step = self._by_step()
             seal = by_step.get(step)
-            reason, nbytes = self.verify(seal) if seal is not None else ("its slot was not restored", 0)
+            reason, nbytes = verify_slot(seal) if seal is not None else ("its slot was not restored", 0)
             info = seal.info if self.rank == 0 and seal is not None else None
             answers = ranks.agree(None, "memory tier: the slots check", (reason, info)) if world_size > 1 \
                 else [(reason, info)]
@@ -414,7 +424,6 @@ class MemoryTier:
         self._finish(slot, finish, skeleton, written, seal)  # sealed before training goes on
         self._last_step = global_step
         self.last_copy_s = time.perf_counter() - start - self.last_stall_s
-        self.last_written = written
         self._last_slot = slot
         if self.peers:
             self._replicate(slot, self._serial, global_step)
@@ -472,12 +481,7 @@ class MemoryTier:
 
     def wait_persist(self) -> None:
         """Until the shared-tier saves from the memory tier are committed; raises their failure."""
-        for _, reading in list(self._reading.values()):
-            try:
-                reading.result()
-            except BaseException:  # noqa: BLE001 - kept in _persist_failure, raised below
-                pass
-        self._reading.clear()
+        _join(self._reading)
         if self._persist_failure is not None:
             failure, self._persist_failure = self._persist_failure, None
             raise CheckpointWriteError(f"shared-tier save from the memory tier ({self.rank_folder}) failed: "
@@ -576,12 +580,7 @@ class MemoryTier:
 
     def wait(self) -> None:
         """Until every peer copy started is done; raises a background failure."""
-        for _, busy in list(self._replicating.values()):
-            try:
-                busy.result()
-            except BaseException:  # noqa: BLE001 - kept in _failure, raised below
-                pass
-        self._replicating.clear()
+        _join(self._replicating)
         self._raise_failure()
 
     def close(self) -> None:

@@ -416,8 +416,7 @@ def inspect_memory(layout: TrialLayout, model_names: list[str], root: str | None
     """The memory tier of each model of the trial under ``root`` (``None``: its default root on
     this node's ``/dev/shm``): per rank the steps its slots hold sealed, and the newest step every
     rank sealed (a rerun's candidate); ``verify``: that step's slots checked item by item."""
-    from areal_lightning.commit.memory_tier import MemoryTier, is_tier_folder, newest_complete_step, tier_folder
-    from areal_lightning.config import MemoryConfig
+    from areal_lightning.commit.memory_tier import is_tier_folder, newest_complete_step, tier_folder, verify_slot
 
     out = []
     for name in model_names or ["default"]:
@@ -436,8 +435,7 @@ def inspect_memory(layout: TrialLayout, model_names: list[str], root: str | None
         if verify and newest is not None:
             problems = []
             for rank, seal in enumerate(newest[1]):
-                tier = MemoryTier(MemoryConfig(enabled=True, slots=max(2, seal.slot + 1)), folder, rank)
-                why, _ = tier.verify(seal)
+                why, _ = verify_slot(seal)
                 if why:
                     problems.append(f"rank {rank}: {why}")
             report["checksum"] = "ok" if not problems else "; ".join(problems)
