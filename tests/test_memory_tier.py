@@ -161,6 +161,7 @@ def test_a_fresh_start_after_deleting_recover_info_does_not_take_the_old_slots(t
     with caplog.at_level(logging.INFO, logger="areal_lightning"):
         second = run(tmp_path)
     assert "whose recover_info is gone (deleted: a fresh start)" in caplog.text
+    assert "the shared tier has no checkpoint either: starting from the beginning" in caplog.text
     assert second.losses == reference  # from step 1
 
 

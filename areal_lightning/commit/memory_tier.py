@@ -328,7 +328,8 @@ class MemoryTier:
         if skipped and self.rank == 0:
             log.warning("RecoverCallback: memory tier %s: skipped %s; %s", self.folder, " | ".join(skipped),
                         f"resuming from its step {chosen.seal.global_step}" if chosen is not None
-                        else "using the shared tier")
+                        else "using the shared tier" if shared_step is not None
+                        else "the shared tier has no checkpoint either: starting from the beginning")
         self._keep_only(chosen.seal if chosen is not None else None)
         return chosen
 

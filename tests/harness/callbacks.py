@@ -19,13 +19,19 @@ pl = importlib.import_module(os.environ.get("AREAL_NAMESPACE", "lightning.pytorc
 
 class KillAt(pl.Callback):
     """SIGKILL of this process at the end of the batch where ``global_step == step`` (before that
-    step's saves: put it first). Under ``torchrun --max-restarts`` only the first attempt is killed."""
+    step's saves: put it first). Under ``torchrun --max-restarts`` only the first attempt is killed.
+    With ``settle`` (a ``RecoverCallback``), every rank first waits until the saves already in
+    flight are durable (then a barrier), so that which shared checkpoint the rerun finds does not
+    depend on the speed of a background copy."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, settle: Any = None) -> None:
+        self.step, self.settle = step, settle
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            if self.settle is not None:
+                self.settle.wait()
+                trainer.strategy.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
 

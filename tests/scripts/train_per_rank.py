@@ -175,10 +175,11 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     model = BNNet(args.root, args.optimizer) if args.model == "bn" else ActorCritic(args.root, args.compile_critic)
     memory = {"root": str(args.root / "memory")} if args.memory else None
-    callbacks: list = [Final(), RecoverCallback(fileroot=str(args.root), experiment_name="e", trial_name="t",
-                                                freq_steps=args.freq_steps, memory=memory)]
-    if args.kill_at_step is not None:
-        callbacks.insert(0, KillAt(args.kill_at_step))
+    recover = RecoverCallback(fileroot=str(args.root), experiment_name="e", trial_name="t",
+                              freq_steps=args.freq_steps, memory=memory)
+    callbacks: list = [Final(), recover]
+    if args.kill_at_step is not None:  # with the memory tier: once the shared tier's copies in flight are committed
+        callbacks.insert(0, KillAt(args.kill_at_step, settle=recover if args.memory else None))
     # two backward passes per step, each reaching one of the two networks: DDP must look for unused parameters
     strategy = "ddp" if args.model == "bn" else "ddp_find_unused_parameters_true"
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,

@@ -163,7 +163,7 @@ def main() -> None:
                                       "replicas": args.replicas} if args.memory else None)
     callbacks = [recover]
     if args.kill_at_step is not None:
-        callbacks.insert(0, KillAt(args.kill_at_step))
+        callbacks.insert(0, KillAt(args.kill_at_step, settle=recover if args.memory else None))
     if args.sigterm_at_step is not None:
         callbacks.insert(0, SignalAt(args.sigterm_at_step, args.sigterm_rank,
                                      os.path.join(args.root, f"signalled.rank{args.sigterm_rank}")))
