@@ -255,7 +255,7 @@ def continue_user_files(trainer: Any, saved: dict[str, Any], steps_done: int) ->
         if can_redirect_wandb(logger):
             if entry["version"] is not None and trainer.strategy.broadcast(logger.version) != entry["version"]:
                 _continue_wandb_run(trainer, logger, entry["version"])
-        elif can_redirect_logger(logger) and logger.version != entry["version"]:
+        elif can_redirect_logger(logger) and trainer.strategy.broadcast(logger.version) != entry["version"]:
             _redirect(trainer, logger, entry["version"], steps_done)
     after = trainer.strategy.broadcast(_checkpoint_dir_of_logger(trainer))
     if before is not None and after is not None and before != after:
@@ -279,11 +279,16 @@ def _continue_wandb_run(trainer: Any, logger: Any, run_id: str) -> None:
 
 
 def _redirect(trainer: Any, logger: Any, version: Any, steps_done: int) -> None:
+    """Collective: rank 0 looks at the new version's folder and decides for every rank (the others
+    must not read the folder that rank 0 removes, nor decide on a version of their own)."""
     new_dir = Path(logger.log_dir)
     configs = _config_files(trainer)
-    leftovers = [p for p in new_dir.rglob("*") if p.is_file()] if new_dir.is_dir() else []
-    if any(not (p.name.startswith("events.out.tfevents") and p.stat().st_size <= 1024)
-           and not (p.parent == new_dir and p.name in configs) for p in leftovers):
+    held = False
+    if trainer.is_global_zero:
+        leftovers = [p for p in new_dir.rglob("*") if p.is_file()] if new_dir.is_dir() else []
+        held = any(not (p.name.startswith("events.out.tfevents") and p.stat().st_size <= 1024)
+                   and not (p.parent == new_dir and p.name in configs) for p in leftovers)
+    if trainer.strategy.broadcast(held):
         return
     redirect_logger(logger, version)
     if trainer.is_global_zero:  # loggers write on rank 0 only (elsewhere their experiment is a dummy)
