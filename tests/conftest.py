@@ -107,6 +107,37 @@ def make_trainer(callbacks: list, **kwargs: Any) -> pl.Trainer:
 
 
 _DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+_FORK_SERVERS: Any = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each process that runs tests starts Python through a fork server with torch, Lightning and
+    transformers imported (tests/harness/forkserver.py; ``AREAL_TEST_FORK_SERVER=0``: off); not
+    the xdist controller, which runs none."""
+    global _FORK_SERVERS
+    controller = not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+    if controller or os.environ.get("AREAL_TEST_FORK_SERVER", "1") == "0" or _FORK_SERVERS is not None:
+        return
+    from tests.harness.forkserver import ForkServers
+
+    _FORK_SERVERS = ForkServers()
+    _FORK_SERVERS.install()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _FORK_SERVERS
+    if _FORK_SERVERS is not None:
+        _FORK_SERVERS.close()
+        _FORK_SERVERS = None
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``fresh_interpreter`` starts every Python process as a new interpreter."""
+    if request.node.get_closest_marker("fresh_interpreter") is not None:
+        from tests.harness.forkserver import ENV
+
+        monkeypatch.delenv(ENV, raising=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

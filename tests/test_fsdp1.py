@@ -290,6 +290,7 @@ def two_nodes(roots: tuple[Path, Path], *args: str) -> list[subprocess.Completed
     return done
 
 
+@pytest.mark.fresh_interpreter  # torchrun and its workers as new interpreters
 def test_two_nodes_by_torchrun_sigkill_resume_bit_for_bit(tmp_path, tmp_path_factory) -> None:
     """Global ranks 0 and 1 on two "nodes" train exactly what the Lightning-launched 2-rank
     run trains, killed and resumed the same way."""

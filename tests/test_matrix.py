@@ -335,7 +335,9 @@ _SCRIPT_REFERENCES: dict[Job, list[tuple[list[list], dict]]] = {}  # per rank: (
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(KILL_CASES))
+@pytest.mark.parametrize("name", [  # one case in fresh interpreters (the others: forks of the test fork server)
+    pytest.param(n, marks=pytest.mark.fresh_interpreter) if n == "sigkill-ddp-2-ranks-workers-augmentation" else n
+    for n in KILL_CASES])
 def test_sigkilled_process_resumes_bit_for_bit(name, tmp_path, tmp_path_factory) -> None:
     run_kill_case(KILL_CASES[name], tmp_path, tmp_path_factory)
 

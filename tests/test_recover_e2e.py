@@ -103,7 +103,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [  # one case in fresh interpreters (the others: forks of the test fork server)
+    pytest.param(c, marks=pytest.mark.fresh_interpreter) if c == "stateful-loader-2-workers" else c for c in CASES])
 def test_sigkill_then_same_command_resumes_bit_for_bit(tmp_path, tmp_path_factory, case) -> None:
     kill_at, args = CASES[case]
     want = reference(tmp_path_factory, args)

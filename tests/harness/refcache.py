@@ -29,7 +29,7 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 
 # Variables that differ between tests or workers of one run and do not change what a run computes.
-_VOLATILE = ("PYTEST_", "COV_CORE_", "COVERAGE_")
+_VOLATILE = ("PYTEST_", "COV_CORE_", "COVERAGE_", "AREAL_TEST_ZYGOTES")
 WAITS = "waits.jsonl"  # one line per wait on another worker's reference (see conftest's summary)
 
 
