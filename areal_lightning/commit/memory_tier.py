@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from areal_lightning._fault import fault_point
 from areal_lightning.collective import CheckpointGroup
-from areal_lightning.commit.manifest import verify_files
+from areal_lightning.commit.manifest import verify_mapped
 from areal_lightning.config import MEMORY_ROOT, MemoryConfig
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, MemorySpaceError
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
@@ -55,7 +55,7 @@ from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
 from areal_lightning.commit.peer import PeerCopy, receive_slot, send_slot
 from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
-from areal_lightning.write.slot import SlotFile
+from areal_lightning.write.slot import COPY_THREADS, SlotFile
 
 __all__ = ["MemoryTier", "Seal", "Chosen", "tier_folder", "local_nbytes", "SEAL_FORMAT",
            "is_tier_folder", "newest_complete_step", "verify_slot"]
@@ -136,7 +136,7 @@ def verify_slot(seal: Seal) -> tuple[str | None, int]:
     try:
         if file_crc32c(seal.path / COMMIT_MARKER) != seal.metadata_crc32c:
             return f"{seal.path / COMMIT_MARKER} fails its CRC32C check", 0
-        return None, verify_files(seal.path, "the slot is damaged")
+        return None, verify_mapped(seal.path, "the slot is damaged")
     except (OSError, CheckpointCorruptError) as exc:
         return str(exc), 0
 
@@ -417,7 +417,7 @@ class MemoryTier:
                 layout = ByteLayout(key, 1)
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
-            written.hash_s = file.copy(flat, self._hasher())
+            written.hash_s = file.copy(flat, self._hasher(), COPY_THREADS)
             finish = file
         self._serial += 1
         seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,
@@ -567,9 +567,9 @@ class MemoryTier:
             file.close()
 
     def _hasher(self) -> ThreadPoolExecutor:
-        """The thread checksumming a slot's items while they are copied."""
+        """The threads copying and checksumming a share of a slot's items beside the caller."""
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-hash")
+            self._thread = ThreadPoolExecutor(max(1, COPY_THREADS - 1), thread_name_prefix="areal-memory-copy")
         return self._thread
 
     def _raise_failure(self) -> None:
@@ -608,7 +608,11 @@ class MemoryTier:
         """Delete this rank's slots (``fit`` ended normally), then the tier's folders left empty."""
         self.close()
         shutil.rmtree(self.rank_folder, ignore_errors=True)
-        for source in self.folder.glob("replica_of_rank*"):  # the copies this node holds of other ranks
+        try:  # the copies this node holds of other ranks (the node's other ranks remove them too)
+            sources = list(self.folder.glob("replica_of_rank*"))
+        except FileNotFoundError:  # another rank of this node removed the folder already
+            sources = []
+        for source in sources:
             shutil.rmtree(source, ignore_errors=True)
         for parent in (self.folder, *list(self.folder.parents)[:3]):
             try:

@@ -120,20 +120,22 @@ def test_ddp_two_ranks_unchained_and_a_point_not_reached(tmp_path) -> None:
 
 
 def _replayed(case: dict) -> int:
-    """Steps trained twice (per rank) in a case, from certify's "yes (N replayed)"."""
+    """Steps trained twice in a case (on the rank with the most), from certify's "yes (N replayed)"."""
     return int(case["exact"].split("(")[1].split()[0])
 
 
-def test_memory_tier_every_point_on_one_rank(tmp_path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_memory_tier_every_point(tmp_path, ranks) -> None:
     """The memory tier (a slot after every step, the shared tier every 4 steps, copied from the
-    slots): a SIGKILL at each of its points, chained: every rerun resumes from the newest step
-    sealed (certify's oracle reads the seals), the losses are bit for bit the uninterrupted run's,
-    and at most one step is trained twice. (2 DDP ranks SIGKILLed with the tier on:
-    ``tests/test_per_rank.py``, ``tests/test_memory_tier.py``.)"""
+    slots), on 1 rank and on 2 DDP ranks: a SIGKILL of every process at each of its points,
+    chained: every rerun resumes from the newest step every rank sealed (certify's oracle reads
+    the seals), the losses are bit for bit the uninterrupted run's, and at most one step is
+    trained twice. (The peer copy's point: two nodes in ``tests/test_memory_tier.py``.)"""
+    extra = ("--devices", "2", "--samples", "48") if ranks == 2 else ()
     doc = certify(tmp_path, "--chain", "--jobs", "2", "--modes", "sync", "--strict",
-                  "--points", "sync=" + ",".join(MEMORY_POINTS), script_args=("--memory", "--no-hf"))
+                  "--points", "sync=" + ",".join(MEMORY_POINTS), script_args=("--memory", "--no-hf", *extra))
     assert sorted(c["point"] for c in doc["cases"]) == sorted(MEMORY_POINTS)
     for case in doc["cases"]:
         assert case["status"] == "pass" and case["killed"], case
-        assert case["expected_resume"] is not None and len(case["resumed_from"]) == 1
+        assert case["expected_resume"] is not None and len(case["resumed_from"]) == ranks
         assert _replayed(case) <= 1, case  # at most one step trained twice
