@@ -19,6 +19,7 @@ by the rank that loads it, as it reads it). Checkpoints of earlier versions list
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,14 +30,17 @@ from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import filesystem, strip
 from areal_lightning.write.checksum import (
     ALGORITHM,
+    altered,
     check_item,
+    item_checksum,
     crc32c,
     file_checksum,
     file_crc32c,
     read_item,
+    truncated,
 )
 
-__all__ = ["check_files", "verify_files", "metadata_checksum", "LEGACY_ALGORITHM"]
+__all__ = ["check_files", "verify_files", "verify_mapped", "metadata_checksum", "LEGACY_ALGORITHM"]
 
 LEGACY_ALGORITHM = "crc32"
 """Whole-file zlib CRC32 of manifests written before per-item checksums."""
@@ -149,6 +153,53 @@ def _check_local(ckpt_dir: Path, files: dict[str, Any], where: Location, hint: s
             raise CheckpointCorruptError(f"{path} fails its {name} check (content altered): {hint}.")
     if data and not legacy:
         nbytes += verify_files(ckpt_dir, hint)
+    return nbytes
+
+
+def _matches(data: Any, info: Any) -> bool:
+    want = item_checksum(info)
+    return want is None or crc32c(data) == want
+
+
+def verify_mapped(ckpt_dir: Path, hint: str) -> int:
+    """:func:`verify_files` of a local folder, each data file memory-mapped: every item's CRC32C
+    computed on the file's pages in place (no copy into a buffer: on tmpfs, at checksum speed).
+    Returns bytes checked."""
+    import mmap
+
+    from areal_lightning.write.dcp_reader import reader_of
+
+    try:
+        metadata = reader_of(ckpt_dir, None).read_metadata()
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{ckpt_dir}/{COMMIT_MARKER} is unreadable ({exc!r}): {hint}.") from exc
+    by_file: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        by_file.setdefault(info.relative_path, []).append((info, index))
+    nbytes = 0
+    for rel, entries in sorted(by_file.items()):
+        path = Path(ckpt_dir) / rel
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
+        try:
+            view = memoryview(mapped) if mapped is not None else memoryview(b"")
+            try:
+                for info, index in entries:
+                    if info.offset + info.length > size:
+                        raise truncated(path, index.fqn, info.offset, info.length, size)
+                    with view[info.offset:info.offset + info.length] as item:
+                        ok = _matches(item, info)
+                    if not ok:
+                        raise altered(path, info, index.fqn)
+                    nbytes += info.length
+            except CheckpointCorruptError as exc:
+                raise CheckpointCorruptError(f"{str(exc).split('; the checkpoint is damaged')[0]}: {hint}.") from None
+            finally:
+                view.release()
+        finally:
+            if mapped is not None:
+                mapped.close()
     return nbytes
 
 
