@@ -20,7 +20,7 @@ A real Lightning ``Trainer`` (CPU) trains a Llama built from its config, with ``
 3. **resume**: a run crashed after step 6 (tier every step, shared tier every 4 steps on
    ``--workdir`` disk): the time from ``fit`` to the first trained batch of the rerun when it
    resumes from the memory tier, from the shared tier on disk, and from the shared tier in a
-   moto S3 bucket; and the steps trained twice in each.
+   moto S3 bucket; and the steps trained twice in each (each run in a fresh process).
 
 Medians; a table and JSON. The disk here is noisy: the tier itself is on ``/dev/shm``.
 """
@@ -224,6 +224,8 @@ def child(args: argparse.Namespace) -> None:
 
 
 def resume(args: argparse.Namespace, work: Path, moto: bool) -> dict[str, Any]:
+    """Each case: a run crashed after step 6, then its rerun, each in a fresh process (so that no
+    case pays the others' first-use costs: imports, the first load)."""
     out: dict[str, Any] = {}
     cases = [("memory", None), ("shared disk", None)]
     server = None
@@ -242,11 +244,17 @@ def resume(args: argparse.Namespace, work: Path, moto: bool) -> dict[str, Any]:
     try:
         for name, fileroot in cases:
             root = work / f"resume_{name.replace(' ', '_')}"
-            common = dict(memory=True, freq_steps=4, fileroot=fileroot, storage_options=options if fileroot else None)
-            fit(args, root, steps=args.steps, crash_after=6, **common)
-            if name != "memory":
-                shutil.rmtree(Path(args.shm) / root.name)  # the node and its tier lost
-            rerun = fit(args, root, steps=8, **common)
+            for phase in ("crash", "rerun"):
+                if phase == "rerun" and name != "memory":
+                    shutil.rmtree(Path(args.shm) / root.name)  # the node and its tier lost
+                result = work / f"{root.name}_{phase}.json"
+                cmd = [sys.executable, __file__, "--_resume", json.dumps(
+                           {"root": str(root), "phase": phase, "fileroot": fileroot,
+                            "storage_options": options if fileroot else None, "result": str(result)}),
+                       "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
+                       "--steps", str(args.steps), "--shm", args.shm, "--seq", str(args.seq), "--batch", str(args.batch)]
+                subprocess.run(cmd, check=True, timeout=3600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            rerun = json.loads(result.read_text())
             out[name] = {"first_batch_s": rerun["first_batch_s"], "resumed_after_step": rerun["resumed_after"],
                          "steps_trained_twice": 7 - rerun["resumed_after"]}
     finally:
@@ -254,6 +262,17 @@ def resume(args: argparse.Namespace, work: Path, moto: bool) -> dict[str, Any]:
             server.kill()
             server.wait()
     return out
+
+
+def resume_child(args: argparse.Namespace) -> None:
+    case = json.loads(args._resume)
+    common = dict(memory=True, freq_steps=4, fileroot=case["fileroot"], storage_options=case["storage_options"])
+    if case["phase"] == "crash":
+        result = fit(args, Path(case["root"]), steps=args.steps, crash_after=6, **common)
+    else:
+        result = fit(args, Path(case["root"]), steps=8, **common)
+    Path(case["result"]).write_text(json.dumps({"first_batch_s": result["first_batch_s"],
+                                                "resumed_after": result["resumed_after"]}))
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -291,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shm", default="/dev/shm/areal-bench-memory-tier", help="the memory tier's root")
     parser.add_argument("--_child", dest="_child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_resume", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_freq-steps", dest="_freq_steps", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -302,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args._child:
         child(args)
+        return
+    if args._resume:
+        resume_child(args)
         return
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
