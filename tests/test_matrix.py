@@ -115,6 +115,17 @@ CASES: dict[str, Case] = {
         Job(workers=2, persistent=True, data="augment", augment_rng="all", epochs=3, freq_steps=None, freq_epochs=1),
         13, 10),
     "datamodule": Case(Job(loaders="datamodule"), 7, 4),
+    # the memory tier (a slot every step; the shared tier every 3 or 4 steps, copied from the
+    # slots): the crash at step c resumes from the slot of the step before (newer than the shared
+    # tier's), in the kind of script users write
+    "memory-tier-datamodule-validation-accumulate-2-bf16-mixed": Case(Job(
+        loaders="datamodule", memory=True, freq_steps=4,
+        trainer=T(accumulate_grad_batches=2, precision="bf16-mixed", val_check_interval=4)), 7, 6),
+    "memory-tier-workers-2-persistent-augmentation-torch-random-numpy": Case(Job(
+        workers=2, persistent=True, data="augment", augment_rng="all", epochs=3, memory=True, freq_steps=5), 13, 12),
+    "memory-tier-manual-optimization-actor-critic": Case(Job(manual=True, memory=True, freq_steps=6), 10, 8),
+    "memory-tier-every-hook-batchnorm-model-checkpoint-early-stopping": Case(Job(
+        hooks=True, bn=True, mc_es=True, memory=True, trainer=T(val_check_interval=4)), 7, 6),
     # the first run trains 2 epochs and finishes (final checkpoint after step 20); the resumed run
     # has max_epochs=3 and must train epoch 3 like a 3-epoch run
     "resume-with-larger-max-epochs": Case(Job(epochs=3, freq_steps=3), None, 20, first_epochs=2),
@@ -133,6 +144,9 @@ KILL_CASES: dict[str, Case] = {
     # (a DDP run without workers is this case less the workers: it is not run on its own)
     "sigkill-ddp-2-ranks-workers-augmentation": Case(
         Job(devices=2, epochs=3, freq_steps=3, workers=2, persistent=True, data="augment"), 7, 6),
+    # the same with the memory tier: killed at step 8, resumed from the slots of step 7
+    "sigkill-ddp-2-ranks-memory-tier-workers-augmentation": Case(
+        Job(devices=2, epochs=3, freq_steps=3, workers=2, persistent=True, data="augment", memory=True), 8, 7),
 }
 
 

@@ -86,6 +86,7 @@ class Job:
     io_mode: str = "sync"  # RecoverCallback(io_mode=...)
     async_executor: str = "thread"  # RecoverCallback(async_executor=...)
     freq_secs: int | None = None  # seconds trigger on a clock that advances 1 s per optimizer step
+    memory: bool = False  # RecoverCallback(memory=...): the memory tier every step, in {root}/memory
 
     def trainer_kwargs(self) -> dict[str, Any]:
         return dict(self.trainer)
@@ -93,7 +94,7 @@ class Job:
     def training_key(self) -> Job:
         """The job without the recover triggers: runs with equal keys train identically."""
         return dataclasses.replace(self, freq_steps=None, freq_epochs=None, fast_forward="sampler", io_mode="sync",
-                                   freq_secs=None, async_executor="thread")
+                                   freq_secs=None, async_executor="thread", memory=False)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -516,9 +517,9 @@ class SpiedRecover(RecoverCallback):
             return
         save = session.save
 
-        def spied_save(point: Any = None) -> None:
-            self.trace.add("ev", "save", trainer.current_epoch, None, trainer.global_step)
-            save(point)
+        def spied_save(point: Any = None, shared: bool = True) -> None:
+            self.trace.add("ev", "save", trainer.current_epoch, None, trainer.global_step)  # either tier
+            save(point, shared=shared)
 
         session.save = spied_save  # type: ignore[method-assign]
 
@@ -526,7 +527,8 @@ class SpiedRecover(RecoverCallback):
 def recover_callback(job: Job, root: Path, trace: Trace) -> RecoverCallback:
     return SpiedRecover(trace, fileroot=root / "recover", experiment_name="matrix", trial_name="t", user="u",
                         freq_steps=job.freq_steps, freq_epochs=job.freq_epochs, freq_secs=job.freq_secs,
-                        io_mode=job.io_mode, async_executor=job.async_executor, fast_forward=job.fast_forward)
+                        io_mode=job.io_mode, async_executor=job.async_executor, fast_forward=job.fast_forward,
+                        memory={"root": str(root / "memory")} if job.memory else None)
 
 
 def _hex(v: Any) -> str | None:
