@@ -285,19 +285,28 @@ CLI_ARGS = ["--seed_everything", "0", "--trainer.max_epochs", "3", "--trainer.de
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("namespace", "given"), [("lightning.pytorch", "yaml"), ("pytorch_lightning", "command line")])
+@pytest.mark.parametrize(("namespace", "given"), [("lightning.pytorch", "yaml"), ("pytorch_lightning", "command line"),
+                                                 ("pytorch_lightning", "yaml with the memory tier")])
 def test_lightning_cli_rerun_of_the_same_command_continues(tmp_path, namespace, given) -> None:
     """``fit --config cfg.yaml`` (callbacks by ``class_path``) or the callback given on the command
     line: SIGKILLed mid-epoch, the same command continues bit for bit, in the same version
-    folder with the same ``config.yaml`` and checkpoint files."""
+    folder with the same ``config.yaml`` and checkpoint files. With the memory tier (its section
+    in the YAML), from the slot of step 18, newer than the shared tier's step 15."""
+    memory = "        memory:\n          enabled: true\n          root: shm\n"
+
     def args(root: Path) -> list[str]:
-        if given == "yaml":
-            (root / "cfg.yaml").write_text(CLI_CONFIG)
+        if given.startswith("yaml"):
+            config = CLI_CONFIG.replace("        freq_steps: 5\n", "        freq_steps: 5\n" + memory) \
+                if "memory" in given else CLI_CONFIG
+            (root / "cfg.yaml").write_text(config)
             return ["fit", "--config", "cfg.yaml"]
         return ["fit", *CLI_ARGS]
 
     ref, run, output = interrupted_and_rerun(args, tmp_path, namespace, kill_at=19)
     assert "dirpath has changed" not in output
+    if "memory" in given:
+        assert "resuming from the memory tier" in output and "after global step 17 " in output, output[-3000:]
+        assert not (run / "shm").exists() or not any((run / "shm").rglob("SEALED.json"))  # removed at the end
     got = tree(run / "lightning_logs")
     assert got == tree(ref / "lightning_logs")
     assert "version_0/config.yaml" in got and "areal_lightning.RecoverCallback" in got["version_0/config.yaml"]
