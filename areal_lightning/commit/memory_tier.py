@@ -417,7 +417,7 @@ class MemoryTier:
                 layout = ByteLayout(key, 1)
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
-            written.hash_s = file.copy(flat, self._hasher(), COPY_THREADS)
+            file.copy(flat, self._hasher(), COPY_THREADS)  # the checksums go with the copy (no time of their own)
             finish = file
         self._serial += 1
         seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,

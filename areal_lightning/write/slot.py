@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from pathlib import Path
@@ -44,7 +43,7 @@ COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_
 """Threads a slot's copy is split over (each copies and checksums its share of the items)."""
 
 
-def _shares(items: list[tuple[Any, torch.Tensor, int]], k: int) -> list[list[tuple[Any, torch.Tensor, int]]]:
+def _shares(items: list[Any], k: int) -> list[list[Any]]:
     """``items`` split into ``k`` lists of about equal bytes (largest first to the least loaded),
     each in file order."""
     shares: list[list[int]] = [[] for _ in range(k)]
@@ -56,37 +55,36 @@ def _shares(items: list[tuple[Any, torch.Tensor, int]], k: int) -> list[list[tup
     return [[items[i] for i in sorted(share)] for share in shares if share]
 
 
-def _copy_share(share: list[tuple[Any, torch.Tensor, int]], flat: Mapping[str, Any], fault: bool) -> float:
+def _copy_share(share: list[tuple[Any, torch.Tensor, int, memoryview]], flat: Mapping[str, Any], fault: bool) -> None:
     """Copy each item of ``share`` into the slot and put its CRC32C on its record: a contiguous
-    host tensor by ``memmove`` one chunk at a time, each chunk checksummed right after its copy;
-    others by ``copy_``, then checksummed. ``fault``: this share hits ``memory.mid_copy``
-    halfway. Returns the seconds spent checksumming."""
-    hashing = 0.0
+    host tensor by ``memmove`` one chunk at a time, each chunk checksummed right after its copy
+    (on the slot's bytes, ``mapped``: a view made with the layout); others by ``copy_``, then
+    checksummed. ``fault``: this share hits ``memory.mid_copy`` halfway."""
     half = len(share) // 2
-    for i, (item, view, address) in enumerate(share):
+    for i, (item, view, address, mapped) in enumerate(share):
         if fault and i == half:
             fault_point("memory.mid_copy")
         tensor = flat[item.key]
+        nbytes = item.nbytes
         if tensor.is_cpu and tensor.is_contiguous():
-            source, value = tensor.data_ptr(), 0
-            for offset in range(0, item.nbytes, _CHUNK):
-                size = min(_CHUNK, item.nbytes - offset)
-                ctypes.memmove(address + offset, source + offset, size)
-                start = time.perf_counter()
-                value = crc32c(tensor_bytes(view[offset:offset + size]), value)
-                hashing += time.perf_counter() - start
+            source = tensor.data_ptr()
+            if nbytes <= _CHUNK:
+                ctypes.memmove(address, source, nbytes)
+                value = crc32c(mapped)
+            else:
+                value = 0
+                for offset in range(0, nbytes, _CHUNK):
+                    size = min(_CHUNK, nbytes - offset)
+                    ctypes.memmove(address + offset, source + offset, size)
+                    value = crc32c(mapped[offset:offset + size], value)
         else:
             view.copy_(tensor.detach().reshape(-1).view(torch.uint8))
-            start = time.perf_counter()
-            value = crc32c(tensor_bytes(view))
-            hashing += time.perf_counter() - start
+            value = crc32c(mapped)
         setattr(item.info, ITEM_CHECKSUM, value)
-    return hashing
 
 
 DATA_FILE = f"__0_0{DATA_SUFFIX}"
 """The data file of a slot (a rank-local checkpoint: written as rank 0's first file)."""
-
 
 
 class SlotFile:
@@ -114,27 +112,27 @@ class SlotFile:
                      if self.nbytes else torch.empty(0, dtype=torch.uint8))
         self.views = [(item, self.data[item.offset:item.offset + item.nbytes]) for item in items]
         base = self.data.data_ptr() if self.nbytes else 0
-        self._items = [(item, view, base + item.offset) for item, view in self.views if item.nbytes]
+        self._items = [(item, view, base + item.offset, tensor_bytes(view)) for item, view in self.views if item.nbytes]
         self._empty_items = [(item, view) for item, view in self.views if item.nbytes == 0]
-        self._shares: list[list[tuple[Any, torch.Tensor, int]]] | None = None
+        self._shares: list[list[Any]] | None = None
 
     @property
     def key(self) -> tuple[Any, ...]:
         """The layout's signature (what the file was made for)."""
         return self.layout.key
 
-    def copy(self, flat: Mapping[str, Any], pool: Executor | None = None, threads: int = 1) -> float:
+    def copy(self, flat: Mapping[str, Any], pool: Executor | None = None, threads: int = 1) -> None:
         """Copy every tensor of ``flat`` (the layout's keys) into its bytes in the mapping and put
         each item's CRC32C on its record. The items are split into ``threads`` shares of about
         equal bytes, run on ``pool`` (the calling thread takes one); each copies a chunk of about
         1 MB (a ``memmove`` for a contiguous host tensor, ``copy_`` otherwise) and checksums it
         while it is in the CPU's cache: one pass over memory instead of two. Fault point
-        ``memory.mid_copy`` halfway through the first share. Returns the seconds spent hashing
-        (all threads)."""
+        ``memory.mid_copy`` halfway through the first share."""
         shares = self._split(threads if pool is not None else 1)
         futures = [pool.submit(_copy_share, share, flat, False) for share in shares[1:]] if pool is not None else []
         try:
-            hashing = _copy_share(shares[0], flat, True) if shares else 0.0
+            if shares:
+                _copy_share(shares[0], flat, True)
         finally:
             done = [future.exception() for future in futures]  # every share ends before the slot is used
         for failure in done:
@@ -142,9 +140,8 @@ class SlotFile:
                 raise failure
         for item, _ in self._empty_items:
             setattr(item.info, ITEM_CHECKSUM, crc32c(b""))
-        return hashing + sum(future.result() for future in futures)
 
-    def _split(self, k: int) -> list[list[tuple[Any, torch.Tensor, int]]]:
+    def _split(self, k: int) -> list[list[Any]]:
         if self._shares is None or len(self._shares) != min(k, len(self._items)):
             self._shares = _shares(self._items, k)
         return self._shares

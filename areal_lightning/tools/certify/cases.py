@@ -303,8 +303,8 @@ class Certifier:
                         self._finish(c, "fail", f"the rerun {what} (log {run.log}):\n{run.tail()}")
                     awaiting = []
                 elif not run.killed or recorded or _RESUMED.search(output):
-                    again = [rank for rank, _ in set(recorded) & seen]  # (rank, step) trained again
-                    replayed = max((again.count(rank) for rank in set(again)), default=0)  # steps, on the worst rank
+                    twice = [rank for rank, _ in set(recorded) & seen]  # the rank of each (rank, step) trained again
+                    replayed = max((twice.count(rank) for rank in set(twice)), default=0)  # steps, on the worst rank
                     for c in awaiting:
                         for problem in (self._resume_problem(c, output),
                                         f"losses of the rerun: {bad_losses}" if bad_losses else None):
