@@ -307,9 +307,12 @@ def test_a_fileroot_not_shared_between_nodes_is_refused_at_setup(tmp_path) -> No
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     procs = two_nodes((node0, node1))
     assert all(p.returncode != 0 for p in procs)
-    first0 = (node0 / "error.rank0.txt").read_text().splitlines()[0]
-    first1 = (node1 / "error.rank1.txt").read_text().splitlines()[0]
+    # the rendezvous numbers the nodes in the order the agents join: either folder may be rank 0's
+    errors = {p.name: p.read_text().splitlines()[0] for root in (node0, node1) for p in root.glob("error.rank*.txt")}
+    assert sorted(errors) == ["error.rank0.txt", "error.rank1.txt"], errors
+    first0, first1 = errors["error.rank0.txt"], errors["error.rank1.txt"]
     assert first1.startswith("RuntimeError: rank 1 cannot see .shared-check-") and "same fileroot" in first1, first1
     assert first0.startswith("RankFailure: shared storage check") and "failed on rank 1" in first0, first0
-    assert not (node0 / "losses.rank0").exists()  # refused before the first training step
-    assert not list(node0.rglob(".shared-check-*")) and not list(node0.rglob("*.distcp"))
+    for root in (node0, node1):
+        assert not list(root.glob("losses.rank*"))  # refused before the first training step
+        assert not list(root.rglob(".shared-check-*")) and not list(root.rglob("*.distcp"))
