@@ -173,9 +173,13 @@ def test_before_the_first_shared_save_the_memory_tier_alone_resumes(tmp_path, re
 
 def test_with_a_bucket_as_fileroot_the_tier_resumes_and_without_it_the_bucket(tmp_path, s3_root, reference,
                                                                               caplog) -> None:
-    """An ``s3://`` fileroot (moto): the shared tier is written to the bucket (by the IO: a copy of
-    the slots goes to local folders only), the memory tier on local tmpfs."""
-    first = run(tmp_path, crash=7, fileroot=s3_root)
+    """An ``s3://`` fileroot (moto): the shared tier's saves are uploaded from the slots (no second
+    staging of the model), the memory tier on local tmpfs."""
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        first = run(tmp_path, crash=7, fileroot=s3_root)
+    uploads = re.findall(r"copied [\d.]+ MB of its memory-tier slot \d+ into the shared tier's (\S+) in", caplog.text)
+    assert len(uploads) == 1 and uploads[0].startswith(s3_root), caplog.text[-3000:]  # step 4's save
+    caplog.clear()
     second = run(tmp_path, crash=9, fileroot=s3_root)  # resumes from the tier (step 6)
     shutil.rmtree(tmp_path / "shm")  # the node and its tier lost: the bucket's step 8
     with caplog.at_level(logging.INFO, logger="areal_lightning"):
@@ -264,6 +268,39 @@ def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied
     for rank in range(2):
         want, got = step_losses(f"{ref_root}/losses.rank{rank}"), step_losses(tmp_path / f"losses.rank{rank}")
         assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_upload_the_shared_tier_from_their_slots_to_a_bucket(tmp_path, tmp_path_factory, s3_server,
+                                                                      s3_root, strategy) -> None:
+    """2 ranks (DDP; FSDP2: each rank's slot holds its shards), an ``s3://`` fileroot (moto), the
+    shared tier every 3 steps uploaded by every rank from its slot: SIGKILL at step 7, the tier
+    deleted (the node lost): the rerun resumes from the bucket's step 6, whose objects are every
+    rank's slot bytes, and every rank's losses are the uninterrupted local run's, bit for bit."""
+    from tests.harness.losses import step_losses
+
+    def command(root: str, *extra: str) -> list[str]:
+        return [sys.executable, str(SCRIPT), "--root", root, "--losses", f"{root}/losses", "--devices", "2",
+                "--strategy", strategy, "--epochs", "2", "--freq-steps", "3", *extra]
+
+    ref_root, ref = reference_run(tmp_path_factory, command("{root}"), timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = subprocess.run(command(str(tmp_path), "--memory", "--fileroot", s3_root, "--kill-at-step", "7"),
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode != 0
+    uploads = re.findall(r"rank (\d) copied [\d.]+ MB of its memory-tier slot \d+ into the shared tier's (\S+) in",
+                         killed.stderr)
+    assert {rank for rank, _ in uploads} == {"0", "1"} and all(uri.startswith(s3_root) for _, uri in uploads), \
+        killed.stderr[-3000:]
+    shutil.rmtree(tmp_path / "memory")
+    rerun = subprocess.run(command(str(tmp_path), "--memory", "--fileroot", s3_root), capture_output=True,
+                           text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert rerun.stderr.count(f"resuming from the shared tier, {s3_root}") == 2, rerun.stderr[-3000:]
+    assert "after global step 5 " in rerun.stderr
+    for rank in range(2):
+        assert step_losses(tmp_path / f"losses.rank{rank}") == step_losses(f"{ref_root}/losses.rank{rank}")
 
 
 def two_nodes(root: Path, *args: str, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:

@@ -459,9 +459,11 @@ class MemoryTier:
         done = self._peer.replicated_step if self._peer is not None else None
         return self._last_step - done if done is not None else self._last_step
 
-    def persist(self, out: Path, ranks: CheckpointGroup, then: Callable[[Written], None] | None) -> None:
-        """Collective: write the shared tier's checkpoint folder ``out`` from the (sealed) slot of
-        the last :meth:`write` (every rank's), in the background
+    def persist(self, out: Path | str, ranks: CheckpointGroup, then: Callable[[Written], None] | None,
+                storage_options: Mapping[str, Any] | None = None) -> None:
+        """Collective: write the shared tier's checkpoint folder ``out`` (or object-store prefix,
+        with ``storage_options``) from the (sealed) slot of the last :meth:`write` (every rank's),
+        in the background
         (:func:`~areal_lightning.write.persist.persist`; rank 0 commits with ``then``). The slot
         is not written again until it is copied; a failure is raised by :meth:`wait_persist`."""
         slot = self._last_slot
@@ -471,7 +473,10 @@ class MemoryTier:
 
         def job() -> None:
             try:
-                persist_slot(self.slot_folder(slot), out, ranks, then)
+                start = time.perf_counter()
+                written = persist_slot(self.slot_folder(slot), out, ranks, then, storage_options)
+                log.info("RecoverCallback: rank %d copied %.1f MB of its memory-tier slot %d into the shared tier's "
+                         "%s in %.2fs", self.rank, written.nbytes / 1e6, slot, out, time.perf_counter() - start)
             except BaseException as exc:  # noqa: BLE001 - raised by wait_persist
                 self._persist_failure = exc
                 raise

@@ -494,7 +494,7 @@ class RecoverSession:
         #    memory tier's slot of this step: copied from the slots once they are sealed.
         target = self.store.target(gen, info, on_committed=self._committed(timer))
         check = None if not self.weights_only or self._checked_loadable else self._check_loadable
-        if tier is not None and isinstance(target.tmp, Path):
+        if tier is not None:
             self._persist(tier, checkpoint, target, check)
         else:
             self.io.write(checkpoint, target, check=check)
@@ -526,7 +526,8 @@ class RecoverSession:
             if lead:
                 target.discard()
             raise
-        tier.persist(Path(target.tmp), self.ranks, target.finalize if lead else None)
+        out = target.tmp if isinstance(target.tmp, str) else Path(target.tmp)
+        tier.persist(out, self.ranks, target.finalize if lead else None, self.io.engine.storage_options)
 
     def _write_memory(self, tier: MemoryTier, checkpoint: dict[str, Any], info: dict[str, Any], steps: int) -> None:
         """This rank's memory-tier slot of the checkpoint; a failure on any rank is raised on every rank."""

@@ -234,6 +234,24 @@ def write_metadata(path: Path, metadata: Metadata, written: Written, *,
         fault_point(points[1])
 
 
+def metadata_object(uri: str, metadata: Metadata, written: Written, storage_options: Mapping[str, Any]) -> None:
+    """:func:`write_metadata` for an object-store prefix ``uri``: ``.metadata`` uploaded as one
+    object (an upload that fails leaves none); its size and the manifest go to ``written``."""
+    from areal_lightning.write.objectstore_fs import ObjectFileSystem
+
+    metadata.storage_meta = StorageMeta(checkpoint_id=uri, save_id=str(uuid.uuid4()))
+    buffer = io.BytesIO()
+    stream = HashingStream(buffer)
+    pickle.dump(metadata, stream)
+    stream.tell()  # the whole pickle is one segment (its CRC is the manifest's)
+    fs = ObjectFileSystem(storage_options)
+    root = fs.init_path(uri)
+    with fs.create_stream(fs.concat_path(root, COMMIT_MARKER), "wb") as out:
+        out.write(buffer.getvalue())
+    written.nbytes += stream.pos
+    written.files = manifest_of(metadata.storage_data, stream, COMMIT_MARKER)
+
+
 def skeleton_bytes(skeleton: Any) -> bytes:
     """The skeleton as the byte item DCP writes (``torch.save`` into a buffer)."""
     buffer = io.BytesIO()

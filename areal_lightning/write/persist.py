@@ -23,6 +23,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from areal_lightning.collective import CheckpointGroup
 from areal_lightning.write.checksum import Written, item_checksum, truncated
 from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.dcp_reader import reader_of
-from areal_lightning.write.direct import write_metadata
+from areal_lightning.write.direct import metadata_object, write_metadata
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.replicas import PREFIX
 
@@ -114,27 +115,40 @@ def plan(metas: list[Metadata]) -> Plan:
     return Plan(metadata, copies, sorted(set(per_rank)), origin)
 
 
-def _copy_items(slot: Path, out: Path, items: list[tuple[str, int, int]]) -> int:
-    """Append each slot item's bytes to ``out`` (fsynced); returns bytes written."""
+def _copy_items(slot: Path, out: Path | str, items: list[tuple[str, int, int]],
+                storage_options: Mapping[str, Any] | None = None) -> int:
+    """Append each slot item's bytes to the file ``out`` (fsynced), or upload them as the object
+    ``out`` (a URI: one streamed upload, aborted on a failure); returns bytes written."""
+    if isinstance(out, str):
+        from areal_lightning.write.objectstore_fs import ObjectFileSystem
+
+        fs = ObjectFileSystem(storage_options or {})
+        with fs.create_stream(fs.init_path(out), "wb") as dest:
+            return _append(slot, dest, items)
+    with open(out, "wb") as dest:
+        total = _append(slot, dest, items)
+        dest.flush()
+        os.fsync(dest.fileno())
+    return total
+
+
+def _append(slot: Path, dest: Any, items: list[tuple[str, int, int]]) -> int:
     total = 0
     sources: dict[str, Any] = {}
     try:
-        with open(out, "wb") as dest:
-            for name, offset, length in items:
-                src = sources.get(name)
-                if src is None:
-                    src = sources[name] = open(slot / name, "rb", buffering=0)
-                src.seek(offset)
-                left = length
-                while left:
-                    data = src.read(min(left, _COPY))
-                    if not data:
-                        raise truncated(slot / name, name, offset, length, offset + length - left)
-                    dest.write(data)
-                    left -= len(data)
-                total += length
-            dest.flush()
-            os.fsync(dest.fileno())
+        for name, offset, length in items:
+            src = sources.get(name)
+            if src is None:
+                src = sources[name] = open(slot / name, "rb", buffering=0)
+            src.seek(offset)
+            left = length
+            while left:
+                data = src.read(min(left, _COPY))
+                if not data:
+                    raise truncated(slot / name, name, offset, length, offset + length - left)
+                dest.write(data)
+                left -= len(data)
+            total += length
     finally:
         for src in sources.values():
             src.close()
@@ -155,25 +169,31 @@ def _gathered(slot: Path, ranks: CheckpointGroup, what: str, *,
     return (dist.get_rank() if ranks.active() else 0), metas, plan(metas)
 
 
-def persist(slot: Path, out: Path, ranks: CheckpointGroup, then: Callable[[Written], None] | None) -> Written:
+def persist(slot: Path, out: Path | str, ranks: CheckpointGroup, then: Callable[[Written], None] | None,
+            storage_options: Mapping[str, Any] | None = None) -> Written:
     """Collective (every rank, on the background group of ``ranks``): write the shared checkpoint
-    folder ``out`` (existing, empty) from every rank's sealed ``slot``; rank 0 writes
-    ``.metadata`` and runs ``then(written)``. A failure on any rank is raised on every rank
-    before anything is committed (fault point ``memory.mid_persist``: this rank's data file
-    written, before the agreement)."""
+    folder ``out`` (existing, empty; or an object-store prefix, a URI, with ``storage_options``)
+    from every rank's sealed ``slot``; rank 0 writes ``.metadata`` and runs ``then(written)``. A
+    failure on any rank is raised on every rank before anything is committed (fault point
+    ``memory.mid_persist``: this rank's data file written, before the agreement)."""
     rank, metas, merged = _gathered(slot, ranks, f"persisting the memory tier's slot {slot}", background=True)
     error: BaseException | None = None
     written = Written()
+    name = f"__{rank}_0{DATA_SUFFIX}"
     try:
-        written.nbytes = _copy_items(slot, out / f"__{rank}_0{DATA_SUFFIX}", merged.copies[rank])
+        target = f"{out.rstrip('/')}/{name}" if isinstance(out, str) else out / name
+        written.nbytes = _copy_items(slot, target, merged.copies[rank], storage_options)
         written.items = len(merged.copies[rank])
         fault_point("memory.mid_persist")
     except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
         error = exc
     ranks.agree(error, f"persisting the memory tier's slot {slot} into {out}", background=True)
     if rank == 0:
-        fsync_dir(out)
-        write_metadata(out, merged.metadata, written)
+        if isinstance(out, str):
+            metadata_object(out, merged.metadata, written, storage_options or {})
+        else:
+            fsync_dir(out)
+            write_metadata(out, merged.metadata, written)
         if then is not None:
             then(written)
     return written
