@@ -236,6 +236,8 @@ class RecoverConfig:
             (default ``[SIGTERM]``; ``[]``: none).
         fast_forward: how a mid-epoch resume passes the trained batches: ``sampler`` or ``replay``.
         memory: the node-local memory tier (:class:`MemoryConfig`, off by default).
+        lock_lease_s: on an object store, the trial lock's lease in seconds: a second live run
+            is refused within a third of it; a crashed run's rerun waits at most this long.
 
     Example:
         >>> RecoverConfig(mode=True, freq_steps=100).validate().mode  # YAML `on`
@@ -250,6 +252,7 @@ class RecoverConfig:
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM"])
     fast_forward: str = "sampler"
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    lock_lease_s: float = 60.0
 
     def validate(self, prefix: str = "recover") -> "RecoverConfig":
         """Check every field; normalise ``mode``. Returns ``self``."""
@@ -264,6 +267,10 @@ class RecoverConfig:
         if isinstance(self.memory, (bool, Mapping)):
             self.memory = as_memory(self.memory)
         self.memory.validate(f"{prefix}.memory")
+        lease = self.lock_lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0.5 <= lease <= 600:
+            raise ConfigError(f"{prefix}.lock_lease_s", f"expected seconds from 0.5 to 600, got {lease!r}")
+        self.lock_lease_s = float(lease)
         return self
 
     @property

@@ -43,6 +43,8 @@ BAD = [
     (with_(saver={"max_keep": 0}), "saver.max_keep", "positive"),
     (with_(recover={"retries": -1}), "recover.retries", ">= 0"),
     (with_(recover={"retries": "3"}), "recover.retries", "integer"),
+    (with_(recover={"lock_lease_s": 0}), "recover.lock_lease_s", "seconds from 0.5 to 600"),
+    (with_(recover={"lock_lease_s": "60"}), "recover.lock_lease_s", "expected a number"),
     (with_(saver=5), "saver", "mapping"),
     (with_(saver={"mode": 3}), "saver.mode", "string"),
     ({**BASE, "experiment_name": ""}, "experiment_name", "non-empty"),
@@ -122,7 +124,8 @@ def test_defaults_follow_the_spec() -> None:
     assert dataclasses.asdict(RecoverConfig()) == {
         "mode": "disabled", "freq_epochs": None, "freq_steps": None, "freq_secs": None, "retries": 3,
         "preempt_signals": ["SIGTERM"], "fast_forward": "sampler",
-        "memory": {"enabled": False, "root": None, "freq_steps": 1, "slots": 2, "replicas": 0}}
+        "memory": {"enabled": False, "root": None, "freq_steps": 1, "slots": 2, "replicas": 0},
+        "lock_lease_s": 60.0}
     cfg = load_config(BASE)
     assert cfg.user is None and cfg.resolved_user  # the OS user
     assert load_config({**BASE, "user": "alice"}).resolved_user == "alice"

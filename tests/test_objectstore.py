@@ -559,3 +559,75 @@ def test_trainer_save_checkpoint_takes_the_users_storage_options_with_recover_en
         for key, value in module.state_dict().items():
             assert torch.equal(loaded["state_dict"][key], value), key
     assert recover.store.read_info()[CHECKPOINT_INFO]["global_step"] == 2
+
+
+# -- the trial lock on a bucket (a lease) ------------------------------------------------------
+
+
+def test_the_lease_refuses_a_live_holder_and_takes_over_a_silent_one(s3_server, s3_root) -> None:
+    """Two leases of one trial prefix on the moto server: the second is refused once it sees the
+    first renewed; after a normal release it is taken at once; a holder that stops renewing (its
+    process killed) is taken over once its lease expired, and learns it lost the trial."""
+    from areal_lightning.commit.lease import ObjectLease
+    from areal_lightning.errors import TrialLockedError
+
+    trial = f"{s3_root}/trial"
+    first = ObjectLease(trial, None, 1.5)
+    first.acquire()
+    second = ObjectLease(trial, None, 1.5)
+    with pytest.raises(TrialLockedError, match=r"being trained by another run \(.* pid \d+"):
+        second.acquire()
+    first.release()
+    second.acquire()  # released: no wait
+    second._stop.set()  # its process stops renewing (killed, or paused), nothing deleted
+    second._thread.join()
+    third = ObjectLease(trial, None, 1.5)
+    third.acquire()  # waits until second's lease expired, then takes over
+    assert third.number == second.number + 1
+    assert len(s3_objects(s3_server, f"{trial}/.lease")) == 1  # the older leases are deleted
+    second.check()  # nothing known yet
+    assert second.renew() is False  # a paused holder comes back: it lost the trial
+    with pytest.raises(TrialLockedError, match="taken over by .* pid"):
+        second.check()
+    third.release()
+    assert s3_objects(s3_server, f"{trial}/.lease") == []
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_trial_on_a_bucket_is_refused_and_a_killed_runs_rerun_takes_over(s3_server, s3_root,
+                                                                                          tmp_path) -> None:
+    """Real processes, a 3 s lease: a run training the trial (slow steps) and the same command
+    started beside it: the second stops before training with the lock error naming the first;
+    the first finishes. Then a run SIGKILLed at step 5 and its rerun at once: it waits for the
+    dead run's lease to expire, takes over, and resumes bit for bit."""
+    import time
+
+    args = ("--fileroot", s3_root, "--lock-lease-s", "3", "--freq-steps", "3", "--epochs", "1")
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert _train(reference, "--freq-steps", "3", "--epochs", "1").returncode == 0
+    first_root, second_root = tmp_path / "first", tmp_path / "second"
+    first_root.mkdir()
+    second_root.mkdir()
+    first = subprocess.Popen([sys.executable, str(SCRIPT), "--root", str(first_root), "--losses",
+                              str(first_root / "losses.jsonl"), *args, "--step-sleep", "0.5"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while not (first_root / "losses.jsonl").exists():  # it holds the trial and trains
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    second = _train(second_root, *args)
+    assert second.returncode != 0 and "TrialLockedError" in second.stderr, second.stderr[-3000:]
+    assert "being trained by another run" in second.stderr
+    assert not (second_root / "losses.jsonl").exists()  # refused before training
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    trial2 = ("--fileroot", f"{s3_root}/again", *args[2:])
+    assert _train(run, *trial2, "--kill-at-step", "5").returncode == -9
+    rerun = _train(run, *trial2)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "waiting up to" in rerun.stderr and "took over the expired lease" in rerun.stderr, rerun.stderr[-3000:]
+    assert _losses(run) == _losses(reference)

@@ -24,6 +24,7 @@ import logging
 from typing import Any, Callable, Mapping
 
 from areal_lightning.commit.generations import Generations, check_written
+from areal_lightning.commit.lease import ObjectLease
 from areal_lightning.commit.manifest import check_files
 from areal_lightning.commit.recover_store import RecoverCommit, RecoverStore, check_info
 from areal_lightning.errors import CheckpointCorruptError, start_fresh
@@ -43,8 +44,10 @@ class ObjectRecoverStore:
     claim_label = "object-store check"
 
     def __init__(self, layout: TrialLayout, name: str = "default",
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, lease_s: float = 60.0) -> None:
         self.layout = layout
+        self.lease_s = lease_s
+        self._lease: ObjectLease | None = None
         self.storage_options = dict(storage_options or {})
         self.ckpt_dir: str = layout.recover_checkpoint_dir(name)
         self.info_dir: str = layout.recover_info_dir
@@ -52,19 +55,37 @@ class ObjectRecoverStore:
         self.infos = Generations(self.info_dir, self.storage_options)
         self._current: str | None = None  # the generation read_info described
 
-    new_generation = staticmethod(RecoverStore.new_generation)
-
     # -- the trial ----------------------------------------------------------------------
 
     def claim(self, rank: int) -> None:
-        """Every rank can write, read and delete under the trial prefix (no lock on buckets yet)."""
+        """Every rank can write, read and delete under the trial prefix."""
         probe(self.layout.trial_dir, self.storage_options, rank)
 
     def check_shared(self, ranks: Any, lead: bool) -> None:
-        """A bucket is shared by construction."""
+        """Collective, once every rank's access is checked (a bucket is shared by construction):
+        rank 0 takes the trial's lease (:class:`~areal_lightning.commit.lease.ObjectLease`: a
+        second live run is refused, a crashed run's rerun waits at most one lease); its failure
+        is raised on every rank."""
+        error: BaseException | None = None
+        if lead:
+            try:
+                self._lease = ObjectLease(self.layout.trial_dir, self.storage_options, self.lease_s)
+                self._lease.acquire()
+            except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+                error = exc
+        ranks.agree(error, "RecoverCallback setup (trial lease)")
 
     def release(self) -> None:
-        """Nothing is held."""
+        """Give the trial's lease back (idempotent)."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def new_generation(self, global_step: int) -> str:
+        """A unique name for one save (rank 0); refused if this run lost the trial's lease."""
+        if self._lease is not None:
+            self._lease.check()
+        return RecoverStore.new_generation(global_step)
 
     def retries(self) -> int | None:
         """Requests retried so far in this process."""

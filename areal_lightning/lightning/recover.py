@@ -128,6 +128,9 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             After every such step each rank copies its state into a slot on tmpfs and seals it
             in the background; a rerun resumes from the newest step every rank sealed when it
             is newer than the shared tier's checkpoint (``freq_*`` keep driving the shared tier).
+        lock_lease_s: with an object-store ``fileroot``, the trial lock's lease (seconds, default
+            60; ``recover.lock_lease_s``): a second run of the trial while this one is alive is
+            refused within a third of it; a rerun after a crash waits at most this long.
 
     Example:
         >>> recover = RecoverCallback(fileroot="/tmp/ckpt", experiment_name="exp", trial_name="t0",
@@ -158,6 +161,7 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         preempt_exit_code: int = PREEMPTED_EXIT_CODE,
         storage_options: dict[str, Any] | None = None,
         memory: Any = None,
+        lock_lease_s: float = 60.0,
     ) -> None:
         exp = ExperimentConfig(
             fileroot=fileroot,  # type: ignore[arg-type]
@@ -167,7 +171,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             storage_options=storage_options,
             recover=RecoverConfig(mode=mode, freq_epochs=freq_epochs, freq_steps=freq_steps,
                                   freq_secs=freq_secs, retries=retries, preempt_signals=preempt_signals,  # type: ignore[arg-type]
-                                  fast_forward=fast_forward, memory=as_memory(memory)),
+                                  fast_forward=fast_forward, memory=as_memory(memory),
+                                  lock_lease_s=lock_lease_s),
         ).validate()
         if io_mode not in IO_MODES:
             raise ConfigError("io_mode", f"unknown mode {io_mode!r}; allowed: {', '.join(IO_MODES)}")
@@ -187,7 +192,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
         self.layout = TrialLayout(exp.fileroot if is_remote(exp.fileroot) else Path(exp.fileroot),
                                   exp.resolved_user, exp.experiment_name, exp.trial_name)
         self.storage_options = exp.storage_options or {}
-        self.store = (ObjectRecoverStore(self.layout, self.name, self.storage_options) if self.layout.remote
+        self.store = (ObjectRecoverStore(self.layout, self.name, self.storage_options, exp.recover.lock_lease_s)
+                      if self.layout.remote
                       else RecoverStore(self.layout, self.name))
         self.io_mode = io_mode
         self.weights_only = weights_only
@@ -215,7 +221,8 @@ class RecoverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
                    user=exp.user, mode=r.mode, freq_epochs=r.freq_epochs, freq_steps=r.freq_steps,
                    freq_secs=r.freq_secs, retries=r.retries,
                    **{"preempt_signals": r.preempt_signals, "fast_forward": r.fast_forward,
-                      "storage_options": exp.storage_options, "memory": r.memory, **kwargs})
+                      "storage_options": exp.storage_options, "memory": r.memory,
+                      "lock_lease_s": r.lock_lease_s, **kwargs})
 
     @property
     def enabled(self) -> bool:

@@ -137,6 +137,7 @@ def main() -> None:
     p.add_argument("--memory", action="store_true", help="the memory tier too (a slot every step) in {root}/memory "
                    "(with --num-nodes 2: {root}/memory/node{GROUP_RANK}, each node its own)")
     p.add_argument("--replicas", type=int, default=0, help="the memory tier's peer copies (0 or 1)")
+    p.add_argument("--lock-lease-s", type=float, default=60.0, help="RecoverCallback(lock_lease_s=...)")
     p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...), under torchrun agents")
     p.add_argument("--disk-full-at-step", type=int, default=None, help="limit file sizes (RLIMIT_FSIZE) from then on")
     args = p.parse_args()
@@ -156,7 +157,7 @@ def main() -> None:
     loader = Loader(Noisy(), batch_size=4, shuffle=not args.no_shuffle, num_workers=args.workers)
     recover = RecoverCallback(fileroot=args.fileroot or args.root, experiment_name="exp", trial_name="t", user="u",
                               freq_steps=args.freq_steps, freq_epochs=args.freq_epochs, freq_secs=args.freq_secs,
-                              io_mode=args.io_mode,
+                              io_mode=args.io_mode, lock_lease_s=args.lock_lease_s,
                               storage_options=json.loads(args.storage_options) if args.storage_options else None,
                               memory={"root": os.path.join(args.root, "memory", *(
                                   [f"node{os.environ['GROUP_RANK']}"] if args.num_nodes > 1 else [])),
