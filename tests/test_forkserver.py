@@ -20,7 +20,8 @@ import json, os, signal, sys, time
 mode = sys.argv[1]
 if mode == "report":
     import torch
-    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("PROBE"), "main": __name__,
+    from lightning.pytorch.utilities import rank_zero_only
+    print(json.dumps({"rank_zero": rank_zero_only.rank, "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("PROBE"), "main": __name__,
                       "path0": sys.path[0], "hash": hash("areal"), "pgid_is_own": os.getpgid(0) == os.getpid(),
                       "threads": torch.get_num_threads(), "executable": sys.executable}))
     sys.stderr.write("to stderr\n")
@@ -58,6 +59,7 @@ def test_a_script_gets_what_a_fresh_interpreter_gives_it(script, tmp_path) -> No
     assert report["env"] == "p" and report["main"] == "__main__" and report["path0"] == str(tmp_path)
     assert report["pgid_is_own"] and report["threads"] == 2 and report["executable"] == sys.executable
     assert runs["0"]["hash"] != runs["1"]["hash"]  # even and odd ranks: different hash seeds
+    assert (runs["0"]["rank_zero"], runs["1"]["rank_zero"]) == (0, 1)  # Lightning's import-time rank
 
     killed = subprocess.run([sys.executable, str(script), "kill"], capture_output=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL

@@ -21,7 +21,8 @@ launcher (a test's ``proc.kill()``, a process group killed by certify) kills the
 everything it started (the child leads a process group of its own). Two servers with different
 hash seeds serve even and odd ranks (``RANK``/``LOCAL_RANK``), so the ranks of a job do not
 share ``PYTHONHASHSEED`` (as fresh interpreters would not); Python's and NumPy's global random
-generators are re-seeded from the OS in every child.
+generators are re-seeded from the OS in every child, and Lightning's import-time rank
+(``rank_zero_only.rank``) is read again from the child's environment.
 
 ``AREAL_TEST_FORK_SERVER=0`` turns it off (every process a fresh interpreter); a test marked
 ``fresh_interpreter`` runs without it.
@@ -236,6 +237,12 @@ def _child(request: dict, conn: socket.socket, fds: list[int], launcher: str, ba
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
     random.seed()
+    # Lightning reads the rank from the environment when it is imported (rank_zero_only.rank): as
+    # a fresh interpreter of this rank would have it
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero") or \
+        sys.modules.get("lightning_fabric.utilities.rank_zero")
+    if rank_zero is not None:
+        rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     torch = sys.modules.get("torch")
