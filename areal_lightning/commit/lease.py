@@ -45,6 +45,7 @@ class ObjectLease:
     """The lease of the trial prefix ``trial`` (see the module doc); ``lease_s`` seconds."""
 
     def __init__(self, trial: str, storage_options: Mapping[str, Any] | None, lease_s: float) -> None:
+        self.trial = trial
         self.prefix = join(trial, LEASE_DIR)
         self.storage_options = dict(storage_options or {})
         self.lease_s = float(lease_s)
@@ -112,7 +113,7 @@ class ObjectLease:
             mark = (n, float(lease.get("renewed", 0)))  # type: ignore[union-attr]
             if seen is not None and mark != seen:
                 raise TrialLockedError(
-                    f"{self.prefix.rsplit('/', 1)[0]} is being trained by another run ({lease_holder(lease)}, which "
+                    f"{self.trial} is being trained by another run ({lease_holder(lease)}, which "
                     f"renews its lease every {float(lease.get('lease_s', 0)) / 3:.0f}s); two runs must not write the "  # type: ignore[union-attr]
                     "same trial. Stop the other run or use another trial_name.")
             seen = mark
@@ -120,7 +121,7 @@ class ObjectLease:
             if not told:
                 log.warning("RecoverCallback: %s is held by %s: waiting up to %.0fs for its lease to expire (a "
                             "crashed run's) or to be renewed (a live run's: then this run stops)",
-                            self.prefix.rsplit("/", 1)[0], lease_holder(lease), left)
+                            self.trial, lease_holder(lease), left)
                 told = True
             time.sleep(max(0.05, min(left + 0.05, self.lease_s / 6)))
 
@@ -162,7 +163,7 @@ class ObjectLease:
     def check(self) -> None:
         """Raise :class:`TrialLockedError` if this run lost the trial (see the module doc)."""
         if self._lost is not None:
-            raise TrialLockedError(f"{self.prefix.rsplit('/', 1)[0]}: {self._lost} (this run could not renew its "
+            raise TrialLockedError(f"{self.trial}: {self._lost} (this run could not renew its "
                                    f"lease for {self.lease_s:.0f}s); it stops writing the trial")
 
     def release(self) -> None:

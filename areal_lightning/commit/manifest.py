@@ -30,9 +30,7 @@ from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import filesystem, strip
 from areal_lightning.write.checksum import (
     ALGORITHM,
-    altered,
     check_item,
-    item_checksum,
     crc32c,
     file_checksum,
     file_crc32c,
@@ -156,9 +154,22 @@ def _check_local(ckpt_dir: Path, files: dict[str, Any], where: Location, hint: s
     return nbytes
 
 
-def _matches(data: Any, info: Any) -> bool:
-    want = item_checksum(info)
-    return want is None or crc32c(data) == want
+def _items_by_file(ckpt_dir: Location, hint: str,
+                   storage_options: Mapping[str, Any] | None) -> tuple[Any, list[tuple[str, list[tuple[Any, Any]]]]]:
+    """The checkpoint's reader and its items, ``(info, index)``, grouped by data file (files by
+    name, items by offset); an unreadable ``.metadata`` is :class:`CheckpointCorruptError`."""
+    from areal_lightning.write.dcp_reader import reader_of
+
+    reader = reader_of(ckpt_dir, storage_options)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{ckpt_dir}/{COMMIT_MARKER} is unreadable ({exc!r}): {hint}.") from exc
+    by_file: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        by_file.setdefault(info.relative_path, []).append((info, index))
+    return reader, [(rel, sorted(entries, key=lambda entry: entry[0].offset))
+                    for rel, entries in sorted(by_file.items())]
 
 
 def verify_mapped(ckpt_dir: Path, hint: str) -> int:
@@ -167,17 +178,9 @@ def verify_mapped(ckpt_dir: Path, hint: str) -> int:
     Returns bytes checked."""
     import mmap
 
-    from areal_lightning.write.dcp_reader import reader_of
-
-    try:
-        metadata = reader_of(ckpt_dir, None).read_metadata()
-    except Exception as exc:
-        raise CheckpointCorruptError(f"{ckpt_dir}/{COMMIT_MARKER} is unreadable ({exc!r}): {hint}.") from exc
-    by_file: dict[str, list[tuple[Any, Any]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        by_file.setdefault(info.relative_path, []).append((info, index))
+    _, by_file = _items_by_file(ckpt_dir, hint, None)
     nbytes = 0
-    for rel, entries in sorted(by_file.items()):
+    for rel, entries in by_file:
         path = Path(ckpt_dir) / rel
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -188,10 +191,8 @@ def verify_mapped(ckpt_dir: Path, hint: str) -> int:
                 for info, index in entries:
                     if info.offset + info.length > size:
                         raise truncated(path, index.fqn, info.offset, info.length, size)
-                    with view[info.offset:info.offset + info.length] as item:
-                        ok = _matches(item, info)
-                    if not ok:
-                        raise altered(path, info, index.fqn)
+                    with view[info.offset:info.offset + info.length] as item:  # released even on a raise
+                        check_item(item, path, info, index.fqn)
                     nbytes += info.length
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{str(exc).split('; the checkpoint is damaged')[0]}: {hint}.") from None
@@ -207,20 +208,10 @@ def verify_files(ckpt_dir: Location, hint: str, storage_options: Mapping[str, An
     """Read every item of every data file once, in offset order, checking length and CRC32C
     (the offline check; loads verify what they read themselves; an item without a recorded
     checksum is checked by length only). Returns bytes read."""
-    from areal_lightning.write.dcp_reader import reader_of
-
-    reader = reader_of(ckpt_dir, storage_options)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:
-        raise CheckpointCorruptError(f"{ckpt_dir}/{COMMIT_MARKER} is unreadable ({exc!r}): {hint}.") from exc
-    by_file: dict[str, list[tuple[Any, Any]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        by_file.setdefault(info.relative_path, []).append((info, index))
+    reader, by_file = _items_by_file(ckpt_dir, hint, storage_options)
     nbytes = 0
-    for rel, entries in sorted(by_file.items()):
+    for rel, entries in by_file:
         path = reader.fs.concat_path(reader.path, rel)
-        entries.sort(key=lambda entry: entry[0].offset)
         with reader.fs.create_stream(path, "rb") as f:
             for info, index in entries:
                 try:

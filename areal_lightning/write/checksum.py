@@ -32,7 +32,7 @@ import crc32c as _crc32c
 from areal_lightning.errors import CheckpointCorruptError
 
 __all__ = ["ALGORITHM", "ITEM_CHECKSUM", "HashingStream", "ChecksumLog", "Written", "crc32c", "file_checksum", "file_crc32c",
-           "item_checksum", "truncated", "read_item", "check_item", "altered", "manifest_of"]
+           "item_checksum", "truncated", "read_item", "check_item", "manifest_of"]
 
 ALGORITHM = "crc32c"
 """The checksum of every file and item this package records (name used in manifests)."""
@@ -216,12 +216,7 @@ def check_item(data: Any, path: Path, info: Any, key: str) -> bool:
     if want is None:
         return False
     if crc32c(data) != want:
-        raise altered(path, info, key)
+        raise CheckpointCorruptError(
+            f"{path} fails its CRC32C check in '{key}' (bytes {info.offset}..{info.offset + info.length}): the file "
+            "was altered after it was written; the checkpoint is damaged: restore the file, or delete the checkpoint")
     return True
-
-
-def altered(path: Any, info: Any, key: str) -> CheckpointCorruptError:
-    """The error for an item ``key`` of ``path`` that fails its CRC32C check."""
-    return CheckpointCorruptError(
-        f"{path} fails its CRC32C check in '{key}' (bytes {info.offset}..{info.offset + info.length}): the file "
-        "was altered after it was written; the checkpoint is damaged: restore the file, or delete the checkpoint")

@@ -211,6 +211,16 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
     write_metadata(path, layout.metadata, written)
 
 
+def _dump_metadata(metadata: Metadata, checkpoint_id: Path | str, raw: Any) -> HashingStream:
+    """Pickle ``metadata`` (stamped with ``checkpoint_id`` and a new save id) into ``raw``
+    through a :class:`HashingStream`: the whole pickle is one segment, whose CRC is the manifest's."""
+    metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4()))
+    stream = HashingStream(raw)
+    pickle.dump(metadata, stream)
+    stream.tell()
+    return stream
+
+
 def write_metadata(path: Path, metadata: Metadata, written: Written, *,
                    points: tuple[str | None, str | None] = ("engine.before_commit", "engine.after_commit")) -> None:
     """Write ``metadata`` as the commit marker of ``path`` (tmp file, fsync, rename, directory
@@ -218,12 +228,9 @@ def write_metadata(path: Path, metadata: Metadata, written: Written, *,
     ``engine.after_commit``; ``None``: none); its size and the manifest go to ``written``."""
     if points[0] is not None:
         fault_point(points[0])
-    metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=str(uuid.uuid4()))
     tmp = path / f"{COMMIT_MARKER}.tmp"
     with open(tmp, "wb") as raw:
-        stream = HashingStream(raw)
-        pickle.dump(metadata, stream)
-        stream.tell()  # the whole pickle is one segment (its CRC is the manifest's)
+        stream = _dump_metadata(metadata, path, raw)
         raw.flush()
         os.fsync(raw.fileno())
     os.replace(tmp, path / COMMIT_MARKER)
@@ -239,11 +246,8 @@ def metadata_object(uri: str, metadata: Metadata, written: Written, storage_opti
     object (an upload that fails leaves none); its size and the manifest go to ``written``."""
     from areal_lightning.write.objectstore_fs import ObjectFileSystem
 
-    metadata.storage_meta = StorageMeta(checkpoint_id=uri, save_id=str(uuid.uuid4()))
     buffer = io.BytesIO()
-    stream = HashingStream(buffer)
-    pickle.dump(metadata, stream)
-    stream.tell()  # the whole pickle is one segment (its CRC is the manifest's)
+    stream = _dump_metadata(metadata, uri, buffer)
     fs = ObjectFileSystem(storage_options)
     root = fs.init_path(uri)
     with fs.create_stream(fs.concat_path(root, COMMIT_MARKER), "wb") as out:
