@@ -47,6 +47,11 @@ Why each is needed (public torch has no equivalent):
 * the standard library's ``warnings`` module caches filter decisions per call site until
   ``warnings._filters_mutated()`` is called (every public filter function calls it; removing a
   filter from ``warnings.filters`` does not).
+* a CUDA runtime call that failed leaves its error as the runtime's "last error", which torch's
+  check after the next kernel launch (``cudaGetLastError``) raises as that kernel's; torch's
+  binding of ``cudaHostRegister`` returns the error without clearing it and binds no
+  ``cudaGetLastError``, so :func:`clear_cuda_error` calls the one of the CUDA runtime torch
+  loaded (found among the process's mapped libraries).
 * the exact data position: torch's DataLoader iterators read indices from
   ``DataLoader._index_sampler`` and are built by ``DataLoader._get_iterator``; a tracked loader
   overrides both in a subclass made with ``type()`` and takes it by a ``__class__`` swap
@@ -66,7 +71,7 @@ __all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "
            "send_changed_plan", "drop_plan_cache",
            "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
            "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log", "save_flat_state_dict", "load_flat_state_dict",
-           "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter"]
+           "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter", "clear_cuda_error"]
 
 PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_cached_all_plans",
                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan", "_cached_plans_key", "_pending_local_plan", "_shard",
@@ -238,3 +243,22 @@ def loader_subclass(cls: type, name: str, attrs: dict[str, Any], *,
 def swap_class(obj: Any, cls: type) -> None:
     """Give ``obj`` the class ``cls`` in place (one of the same layout: see :func:`loader_subclass`)."""
     object.__setattr__(obj, "__class__", cls)
+
+
+def clear_cuda_error() -> int:
+    """Reset the CUDA runtime's last error after a failed call whose error was handled
+    (``cudaGetLastError`` of the ``libcudart`` this process loaded); returns it (0: none, or
+    no CUDA runtime is loaded)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return 0
+    for path in sorted(p for p in paths if p.startswith("/")):
+        try:
+            return int(ctypes.CDLL(path).cudaGetLastError())
+        except (OSError, AttributeError):
+            continue
+    return 0

@@ -280,3 +280,18 @@ def test_remove_warning_filter() -> None:
             warnings.simplefilter("default")
             emit()
         assert len(caught) == 1
+
+
+def test_clear_cuda_error() -> None:
+    # torch binds cudaHostRegister but not cudaGetLastError (what a handled failure must be cleared with)
+    if not torch.cuda.is_available():
+        assert ti.clear_cuda_error() == 0  # no CUDA runtime loaded: nothing to clear
+        return
+    cudart = torch.cuda.cudart()
+    assert not hasattr(cudart, "cudaGetLastError")
+    x = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+    assert int(cudart.cudaHostRegister(x.data_ptr(), x.numel(), 0)) != 0  # already page-locked: refused
+    assert ti.clear_cuda_error() != 0  # that error, cleared
+    assert ti.clear_cuda_error() == 0
+    torch.ones(4, device="cuda").add_(1)  # the next kernel launch's check sees no error
+    torch.cuda.synchronize()

@@ -13,7 +13,10 @@ so a sealed state is never overwritten before a newer one is sealed; it is unsea
 seal removed), then the state is copied into its mapped file while a second thread checksums
 what was copied, then ``.metadata`` and the seal are written: all of it before training goes
 on, so a crash after a step's save point never loses that step (at most the step in flight is
-trained again). No step is skipped: a slot still being read (copied to the shared tier or to
+trained again). On CUDA the device-to-host copy is queued on a side stream into the slot's
+page-locked pages (:mod:`areal_lightning.write.slot`) and the slot is checksummed and sealed in
+a background thread once it landed; :meth:`MemoryTier.wait_sealed` (before the next optimizer
+step) waits for that, so a crash loses at most the step in flight there too. No step is skipped: a slot still being read (copied to the shared tier or to
 the peer) is waited for, and the wait is reported as the stall.
 
 The shared tier from the slots (:meth:`MemoryTier.persist`, collective, in a background
@@ -55,7 +58,8 @@ from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
 from areal_lightning.commit.peer import PeerCopy, receive_slot, send_slot
 from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
-from areal_lightning.write.slot import COPY_THREADS, SlotFile
+from areal_lightning.stage.host import bind_thread_to, cuda_device
+from areal_lightning.write.slot import COPY_THREADS, DeviceCopy, SlotFile
 
 __all__ = ["MemoryTier", "Seal", "Chosen", "tier_folder", "local_nbytes", "SEAL_FORMAT",
            "is_tier_folder", "newest_complete_step", "verify_slot"]
@@ -233,6 +237,13 @@ class MemoryTier:
         copy into the slot and its checksums, ``.metadata``, the seal)."""
         self.last_stall_s = 0.0
         """Seconds the last :meth:`write` waited for a slot still being read."""
+        self.last_wait_s = 0.0
+        """CUDA: seconds the last :meth:`wait_sealed` held training (the copy landing, its checksums, the seal)."""
+        self.pinned: bool | None = None
+        """CUDA: whether the last device copy went to page-locked slot pages (``None``: none made)."""
+        self._stream: Any = None  # CUDA: the copy stream
+        self._sealer: ThreadPoolExecutor | None = None
+        self._sealing: Future | None = None  # CUDA: the background wait, checksums and seal of the last write
 
     @property
     def rank_folder(self) -> Path:
@@ -387,10 +398,13 @@ class MemoryTier:
     # -- write ------------------------------------------------------------------------------
 
     def write(self, checkpoint: Mapping[str, Any], *, global_step: int, world_size: int, lineage: int | None,
-              info: dict[str, Any]) -> None:
+              info: dict[str, Any], late: Callable[[torch.Tensor], bool] | None = None) -> None:
         """Write this rank's state into the next slot and seal it (see the module doc); raises a
-        failure of an earlier background part (a peer copy)."""
-        self._raise_failure()
+        failure of an earlier background part (a peer copy). CUDA tensors are copied on a side
+        stream and the slot sealed in the background: call :meth:`wait_sealed` before the
+        tensors ``late`` names (parameters, optimizer states) change; the others may change
+        once this returns."""
+        self.wait_sealed()
         start = time.perf_counter()
         if self._last_step is not None and self._last_slot is None:  # the first write after a resume
             shutil.rmtree(self.view_folder, ignore_errors=True)
@@ -405,6 +419,7 @@ class MemoryTier:
         skeleton = skeleton_bytes(flat.pop(SKELETON_KEY))
         key = signature(flat, pinned=False)
         written = Written()
+        pending: DeviceCopy | None = None
         if key is None:  # sharded tensors: DCP plans and writes the slot (rank-local, in this thread)
             self._drop_file(slot)
             self._dcp_engine().save(checkpoint, folder)
@@ -417,17 +432,69 @@ class MemoryTier:
                 layout = ByteLayout(key, 1)
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
-            file.copy(flat, self._hasher(), COPY_THREADS)  # the checksums go with the copy (no time of their own)
+            # the checksums go with the copy (no time of their own); CUDA tensors: queued on the stream
+            pending = file.copy(flat, self._hasher(), COPY_THREADS, stream=self._cuda_stream(), late=late)
             finish = file
         self._serial += 1
         seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,
                 "rank": self.rank, "lineage": lineage, "time": time.time(), "info": info}
-        self._finish(slot, finish, skeleton, written, seal)  # sealed before training goes on
+        if pending is not None:  # sealed in the background once the copy landed
+            if not pending.pinned and self.pinned is None:
+                log.warning("RecoverCallback: memory tier: CUDA could not page-lock the slot's pages in %s "
+                            "(cudaHostRegister refused; Linux refuses to lock a writable mapping of a file on a disk "
+                            "file system, a tmpfs one it locks): each save point copies the GPU state synchronously. "
+                            "Put recover.memory.root on a tmpfs (the default, /dev/shm)", folder)
+            self.pinned = pending.pinned
+            self._sealing = self._seal_pool().submit(self._seal_after, pending, slot, finish, skeleton, written, seal)
+        else:
+            self._finish(slot, finish, skeleton, written, seal)  # sealed before training goes on
         self._last_step = global_step
         self.last_copy_s = time.perf_counter() - start - self.last_stall_s
         self._last_slot = slot
         if self.peers:
             self._replicate(slot, self._serial, global_step)
+
+    def _seal_after(self, pending: DeviceCopy, slot: int, file: SlotFile, skeleton: bytes, written: Written,
+                    seal: dict[str, Any]) -> None:
+        """CUDA, in the background: once the device copy of :meth:`write` landed, its checksums,
+        ``.metadata`` and the seal."""
+        try:
+            pending.wait(self._hasher(), COPY_THREADS)
+            self._finish(slot, file, skeleton, written, seal)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait_sealed / the next write
+            self._failure = exc
+            raise
+
+    def wait_sealed(self, raise_failure: bool = True) -> float | None:
+        """CUDA: until the last :meth:`write`'s slot is sealed (its device copy landed: the
+        parameters and optimizer states may change); raises its failure (else the next
+        :meth:`write` or :meth:`wait` does). Returns the seconds waited (also in
+        :attr:`last_wait_s`), ``None`` when nothing was pending."""
+        sealing, self._sealing = self._sealing, None
+        if sealing is None:
+            if raise_failure:
+                self._raise_failure()
+            return None
+        start = time.perf_counter()
+        try:
+            sealing.result()
+        except BaseException:  # noqa: BLE001 - kept in _failure
+            pass
+        self.last_wait_s = time.perf_counter() - start
+        if raise_failure:
+            self._raise_failure()
+        return self.last_wait_s
+
+    def _after_seal(self) -> Callable[[], None]:
+        """For a background job reading the slot of the last write: a wait until it is sealed
+        (raising when it could not be)."""
+        sealing = self._sealing
+
+        def wait() -> None:
+            if sealing is not None:
+                sealing.result()
+
+        return wait
 
     def _replicate(self, slot: int, serial: int, step: int) -> None:
         """The copy of the sealed slot to the peer (and the source's to this node), in the
@@ -435,9 +502,11 @@ class MemoryTier:
         if self._peer is None:  # every rank at its first write: the group is made collectively
             self._peer = PeerCopy(self.folder, self.rank, self.world_size, self.ranks_per_node, self.timeout_s)
             self._replicator = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-peer")
+        sealed = self._after_seal()
 
         def job() -> None:
             try:
+                sealed()
                 assert self._peer is not None
                 self._peer.copy(self.slot_folder(slot), serial, step)
                 # Every rank's peer holds this step: each rank keeps its own slot of it until a
@@ -470,9 +539,11 @@ class MemoryTier:
         if slot is None:
             raise CheckpointWriteError("the memory tier has no slot to persist (none written by this run)")
         serial = self._serial
+        sealed = self._after_seal()
 
         def job() -> None:
             try:
+                sealed()
                 start = time.perf_counter()
                 written = persist_slot(self.slot_folder(slot), out, ranks, then, storage_options)
                 log.info("RecoverCallback: rank %d copied %.1f MB of its memory-tier slot %d into the shared tier's "
@@ -571,6 +642,18 @@ class MemoryTier:
         if file is not None:
             file.close()
 
+    def _cuda_stream(self) -> Any:
+        """CUDA: the side stream device copies into the slots run on (``None`` without CUDA)."""
+        if self._stream is None and cuda_device() is not None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _seal_pool(self) -> ThreadPoolExecutor:
+        if self._sealer is None:
+            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-seal", initializer=bind_thread_to,
+                                              initargs=(cuda_device(),))
+        return self._sealer
+
     def _hasher(self) -> ThreadPoolExecutor:
         """The threads copying and checksumming a share of a slot's items beside the caller."""
         if self._thread is None:
@@ -585,7 +668,8 @@ class MemoryTier:
     # -- end --------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Until every peer copy started is done; raises a background failure."""
+        """Until the last slot is sealed and every peer copy started is done; raises a background failure."""
+        self.wait_sealed()
         _join(self._replicating)
         self._raise_failure()
 
@@ -598,10 +682,10 @@ class MemoryTier:
                 log.error("RecoverCallback: %s", exc)
         for slot in list(self._files):
             self._drop_file(slot)
-        for pool in (self._thread, self._persister, self._replicator):
+        for pool in (self._thread, self._persister, self._replicator, self._sealer):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._thread = self._persister = self._replicator = None
+        self._thread = self._persister = self._replicator = self._sealer = None
         if self._peer is not None:
             self._peer.close()
             self._peer = None

@@ -534,7 +534,7 @@ class RecoverSession:
         error: BaseException | None = None
         try:
             tier.write(checkpoint, global_step=steps, world_size=self.trainer.world_size, lineage=self.shared_step,
-                       info=info)
+                       info=info, late=self._changed_by_optimizers())
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
         if self.trainer.world_size > 1:
@@ -547,6 +547,29 @@ class RecoverSession:
         if lag is not None:
             metrics["checkpoint/memory/replica_lag_steps"] = float(lag)
         self.telemetry.note(steps, metrics)
+
+    def _changed_by_optimizers(self) -> Callable[[torch.Tensor], bool]:
+        """Whether a tensor of the checkpoint is a parameter or an optimizer state on the GPU
+        (by storage): the memory tier's device copy of those may still run until the next
+        optimizer step (:meth:`wait_for_staging`); every other tensor (buffers such as
+        BatchNorm's statistics, which the next forward changes) is copied before the next
+        step's kernels run."""
+        storages: set[int] | None = None
+
+        def address(tensor: Any) -> int | None:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            return local.untyped_storage().data_ptr() if isinstance(local, torch.Tensor) and local.is_cuda else None
+
+        def late(tensor: torch.Tensor) -> bool:
+            nonlocal storages
+            if storages is None:
+                tensors = list(self.trainer.lightning_module.parameters())
+                tensors += [value for optimizer in self.trainer.optimizers for state in optimizer.state.values()
+                            for value in state.values() if isinstance(value, torch.Tensor)]
+                storages = {a for t in tensors if (a := address(t)) is not None}
+            return address(tensor) in storages
+
+        return late
 
     def _committed(self, timer: SaveTimer) -> Callable[[Any], None]:
         def committed(written: Any) -> None:  # rank 0, after the commit (in the background when async)
@@ -570,7 +593,12 @@ class RecoverSession:
             "or pass RecoverCallback(weights_only=False) if you trust the checkpoint storage"))
 
     def wait_for_staging(self) -> None:
-        """Before an optimizer step: wait until an async save no longer reads the weights."""
+        """Before an optimizer step: wait until an async save and the memory tier's device copy
+        no longer read the weights and optimizer states (the tier's slot is then sealed)."""
+        if self.memory is not None:
+            waited = self.memory.wait_sealed(raise_failure=False)  # a failure: raised on every rank by the next save
+            if waited is not None:
+                self.telemetry.note(self.trainer.global_step, {"checkpoint/memory/optimizer_wait_s": waited})
         if self.io.engine.in_flight is not None:
             start = time.perf_counter()
             self.io.engine.wait_for_staging()
@@ -588,6 +616,7 @@ class RecoverSession:
         error: BaseException | None = None
         try:
             if self.memory is not None:
+                self.memory.wait_sealed()
                 self.memory.wait_persist()
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc

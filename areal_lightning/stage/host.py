@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from areal_lightning._torch_internals import rebuild_sharded_tensor, sharded_tensor_types
+from areal_lightning._torch_internals import clear_cuda_error, rebuild_sharded_tensor, sharded_tensor_types
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-__all__ = ["HostStager", "staging_options", "bind_thread_to", "cuda_device", "pin_buffers", "copy_into"]
+__all__ = ["HostStager", "staging_options", "bind_thread_to", "cuda_device", "pin_buffers", "copy_into",
+           "register_host", "unregister_host"]
 
 
 def staging_options() -> StagingOptions:
@@ -53,6 +54,25 @@ def bind_thread_to(device: torch.device | None) -> None:
     there on every rank."""
     if device is not None:
         torch.cuda.set_device(device)
+
+
+def register_host(address: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``address`` already allocated (a mapped file's
+    pages, say) for CUDA (``cudaHostRegister``): device-to-host copies into it are then DMA
+    transfers that run on a stream while the host goes on. ``False`` (nothing registered)
+    without CUDA or where the driver refuses it; the memory stays usable, pageable."""
+    if nbytes <= 0 or cuda_device() is None:
+        return False
+    if int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0:
+        return True
+    clear_cuda_error()  # else torch's check after the next kernel launch would raise it
+    return False
+
+
+def unregister_host(address: int) -> None:
+    """Undo :func:`register_host` (before the memory is unmapped)."""
+    if int(torch.cuda.cudart().cudaHostUnregister(address)) != 0:
+        clear_cuda_error()
 
 
 def pin_buffers() -> bool:

@@ -14,6 +14,16 @@ mapped (``MAP_SHARED``; on tmpfs the mapping *is* the file's memory). A save is
 Both run at the save point, and the slot is then sealed: a crash after the save point of a step
 never loses that step.
 
+On CUDA (:meth:`SlotFile.copy` given a stream) the mapping is page-locked for CUDA once per
+layout (``cudaHostRegister``: the slot's own pages, no second host buffer) and the device
+tensors are copied into it by DMA on a side stream, ordered after what training queued so
+far; the save point returns once the copies are queued. The tensors the next step may change
+before its optimizer step (buffers such as BatchNorm's statistics, anything that is not a
+parameter or an optimizer state) are copied first, and the training stream waits on the GPU
+for that part alone; parameters and optimizer states are copied while the next step's forward
+and backward run, and :class:`DeviceCopy` is waited for (then checksummed, then the slot
+sealed) before the optimizer changes them.
+
 One file, one mapping and one ``.metadata`` per slot, whatever the number of tensors.
 """
 
@@ -24,17 +34,18 @@ import os
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from areal_lightning._fault import fault_point
 from areal_lightning._torch_internals import DATA_SUFFIX
+from areal_lightning.stage.host import register_host, unregister_host
 from areal_lightning.write.checksum import ITEM_CHECKSUM, Written, crc32c
 from areal_lightning.write.direct import ByteLayout, write_metadata
 from areal_lightning.write.raw import tensor_bytes
 
-__all__ = ["SlotFile", "DATA_FILE", "COPY_THREADS"]
+__all__ = ["SlotFile", "DeviceCopy", "DATA_FILE", "COPY_THREADS"]
 
 _CHUNK = 1 << 20
 """Bytes copied and then checksummed at a time (while the chunk is still in the CPU's cache)."""
@@ -83,6 +94,46 @@ def _copy_share(share: list[tuple[Any, torch.Tensor, int, memoryview]], flat: Ma
         setattr(item.info, ITEM_CHECKSUM, value)
 
 
+def _checksum_share(share: list[tuple[Any, torch.Tensor, int, memoryview]]) -> None:
+    """Put the CRC32C of each item's slot bytes on its record (after a device copy landed)."""
+    for item, _view, _address, mapped in share:
+        setattr(item.info, ITEM_CHECKSUM, crc32c(mapped))
+
+
+def _run_shares(function: Callable[..., None], shares: list[list[Any]], pool: Executor | None, *args: Any) -> None:
+    """``function(share, *args)`` for every share, the first in the calling thread, the others
+    on ``pool``; returns once all ended, raising the first failure."""
+    assert pool is not None or len(shares) <= 1
+    futures = [pool.submit(function, share, *args) for share in shares[1:]] if pool is not None else []
+    try:
+        if shares:
+            function(shares[0], *args)
+    finally:
+        done = [future.exception() for future in futures]  # every share ends before the slot is used
+    for failure in done:
+        if failure is not None:
+            raise failure
+
+
+class DeviceCopy:
+    """The device-to-host copies of one save into a slot, queued on the copy stream
+    (:meth:`SlotFile.copy` on CUDA). :meth:`wait` returns once they landed and every copied
+    item's CRC32C is on its record; until then the source tensors are kept alive."""
+
+    def __init__(self, done: Any, items: list[Any], sources: list[torch.Tensor], pinned: bool) -> None:
+        self._done = done
+        self._items = items
+        self._sources = sources
+        self.pinned = pinned
+        """Whether the copies went to page-locked memory (else they ran synchronously)."""
+
+    def wait(self, pool: Executor | None = None, threads: int = 1) -> None:
+        """Until the copies landed; then the checksums, split over ``threads`` (on ``pool``)."""
+        self._done.synchronize()
+        self._sources = []
+        _run_shares(_checksum_share, _shares(self._items, threads if pool is not None else 1), pool)
+
+
 DATA_FILE = f"__0_0{DATA_SUFFIX}"
 """The data file of a slot (a rank-local checkpoint: written as rank 0's first file)."""
 
@@ -115,31 +166,62 @@ class SlotFile:
         self._items = [(item, view, base + item.offset, tensor_bytes(view)) for item, view in self.views if item.nbytes]
         self._empty_items = [(item, view) for item, view in self.views if item.nbytes == 0]
         self._shares: list[list[Any]] | None = None
+        self._pinned: bool | None = None  # CUDA: whether the mapping is page-locked (None: not tried)
 
     @property
     def key(self) -> tuple[Any, ...]:
         """The layout's signature (what the file was made for)."""
         return self.layout.key
 
-    def copy(self, flat: Mapping[str, Any], pool: Executor | None = None, threads: int = 1) -> None:
+    def copy(self, flat: Mapping[str, Any], pool: Executor | None = None, threads: int = 1, *,
+             stream: Any = None, late: Callable[[torch.Tensor], bool] | None = None) -> DeviceCopy | None:
         """Copy every tensor of ``flat`` (the layout's keys) into its bytes in the mapping and put
         each item's CRC32C on its record. The items are split into ``threads`` shares of about
         equal bytes, run on ``pool`` (the calling thread takes one); each copies a chunk of about
         1 MB (a ``memmove`` for a contiguous host tensor, ``copy_`` otherwise) and checksums it
         while it is in the CPU's cache: one pass over memory instead of two. Fault point
-        ``memory.mid_copy`` halfway through the first share."""
-        shares = self._split(threads if pool is not None else 1)
-        futures = [pool.submit(_copy_share, share, flat, False) for share in shares[1:]] if pool is not None else []
-        try:
-            if shares:
-                _copy_share(shares[0], flat, True)
-        finally:
-            done = [future.exception() for future in futures]  # every share ends before the slot is used
-        for failure in done:
-            if failure is not None:
-                raise failure
+        ``memory.mid_copy`` halfway through the first share.
+
+        ``stream`` (a CUDA stream): the CUDA tensors are copied on it instead, after what the
+        current stream queued so far; those ``late`` says may wait (parameters, optimizer
+        states) after the others, and the current stream waits for the others only. Returns
+        the :class:`DeviceCopy` to wait for before the ``late`` tensors change (``None``: every
+        copy is done and checksummed)."""
+        device = [entry for entry in self._items if flat[entry[0].key].is_cuda] if stream is not None else []
+        if device:
+            pending = self._copy_device(flat, device, stream, late or (lambda tensor: False))
+            host = [entry for entry in self._items if not flat[entry[0].key].is_cuda]
+            _run_shares(_copy_share, _shares(host, threads if pool is not None else 1), pool, flat, False)
+        else:
+            pending = None
+            _run_shares(_copy_share, self._split(threads if pool is not None else 1), pool, flat, True)
         for item, _ in self._empty_items:
             setattr(item.info, ITEM_CHECKSUM, crc32c(b""))
+        return pending
+
+    def _copy_device(self, flat: Mapping[str, Any], device: list[Any], stream: Any,
+                     late: Callable[[torch.Tensor], bool]) -> DeviceCopy:
+        """Queue the copies of the CUDA tensors ``device`` (entries of the layout) on ``stream``
+        (see :meth:`copy`); the mapping is page-locked at the first one."""
+        if self._pinned is None:
+            self._pinned = register_host(self.data.data_ptr(), self.nbytes)
+        sources = {entry[0].key: flat[entry[0].key].detach().reshape(-1).view(torch.uint8) for entry in device}
+        early = [entry for entry in device if not late(flat[entry[0].key])]
+        rest = [entry for entry in device if late(flat[entry[0].key])]
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)  # the state as training left it at the save point
+        with torch.cuda.stream(stream):
+            for item, view, _address, _mapped in early:
+                view.copy_(sources[item.key], non_blocking=self._pinned)
+            first = torch.cuda.Event()
+            first.record(stream)
+            fault_point("memory.mid_copy")
+            for item, view, _address, _mapped in rest:
+                view.copy_(sources[item.key], non_blocking=self._pinned)
+            done = torch.cuda.Event()
+            done.record(stream)
+        current.wait_event(first)  # the next step's kernels run after the early part landed
+        return DeviceCopy(done, device, list(sources.values()), bool(self._pinned))
 
     def _split(self, k: int) -> list[list[Any]]:
         if self._shares is None or len(self._shares) != min(k, len(self._items)):
@@ -162,6 +244,9 @@ class SlotFile:
         write_metadata(self.folder, self.layout.metadata, written, points=(None, None))
 
     def close(self) -> None:
-        """Drop the mapping (the file stays)."""
+        """Drop the mapping (the file stays); unregister it from CUDA first."""
+        if self._pinned:
+            unregister_host(self.data.data_ptr())
+            self._pinned = None
         self.views, self._items, self._empty_items, self._shares = [], [], [], None
         self.data = torch.empty(0, dtype=torch.uint8)

@@ -98,6 +98,13 @@ def train(root: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.perf_counter() - start
 
 
+def failure(proc: subprocess.CompletedProcess, root: Path) -> str:
+    """What a failed run said: each rank's error file (train_fsdp1.py writes the traceback there
+    and exits 3), then the end of its stderr."""
+    errors = "\n".join(f.read_text()[-3000:] for f in sorted(root.glob("error.rank*.txt")))
+    return f"{errors}\n--- stderr:\n{proc.stderr[-2000:]}"
+
+
 def _losses(root: Path, rank: int) -> dict[int, str]:
     return last_losses(root / f"losses.rank{rank}")
 
@@ -112,11 +119,11 @@ def test_fsdp_strategy_on_gpus_default_modes_sigkill_resume_exact(tmp_path, case
     args = ("--devices", str(devices), *extra)
     ref, run = tmp_path / "ref", tmp_path / "run"
     proc, ref_s = train(ref, *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc, ref)
     killed, _ = train(run, *args, "--kill-at-step", "7")
     assert killed.returncode != 0
     proc, run_s = train(run, *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc, run)
     for rank in range(devices):
         assert _losses(run, rank) == _losses(ref, rank), f"rank {rank}"
     reports = [json.loads((run / f"report.rank{r}.json").read_text()) for r in range(devices)]
