@@ -233,11 +233,19 @@ def probe(uri: str, storage_options: Mapping[str, Any] | None, rank: int) -> Non
 
 
 def write_exclusive(uri: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Create the object ``uri`` holding ``data``, only if it does not exist (S3's
-    ``If-None-Match: *``; ``FileExistsError`` if it does). Used for commit markers."""
+    """Create the object ``uri`` holding ``data``, only if it does not exist (``FileExistsError``
+    if it does), with the store's own conditional create: S3 ``If-None-Match: *``, GCS
+    ``ifGenerationMatch=0`` (a one-request upload: gcsfs's ``mode="create"``), Azure Blob
+    ``If-None-Match: *`` (adlfs's ``overwrite=False``). Used for commit markers and leases."""
     fs = filesystem(uri, storage_options)
-    with fs.open(strip(fs, uri), "xb") as f:
-        f.write(data)
+    scheme = uri_scheme(uri)
+    if SCHEMES[scheme][0] == "gcsfs":
+        fs.pipe_file(strip(fs, uri), data, mode="create")
+    elif SCHEMES[scheme][0] == "adlfs":
+        fs.pipe_file(strip(fs, uri), data, overwrite=False)
+    else:
+        with fs.open(strip(fs, uri), "xb") as f:
+            f.write(data)
 
 
 def _uploads(uri: str, storage_options: Mapping[str, Any] | None) -> Any:

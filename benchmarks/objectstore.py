@@ -1,13 +1,16 @@
-"""Benchmark checkpoint saves and loads to an S3 API server: our DCP engine against torch's
-plain ``FsspecWriter``/``FsspecReader`` and against writing locally then uploading.
+"""Benchmark checkpoint saves and loads to object stores, the three side by side: our DCP
+engine against torch's plain ``FsspecWriter``/``FsspecReader`` (each store's fsspec peer) and
+against writing locally then uploading.
 
 Usage::
 
     python benchmarks/objectstore.py --size-mb 64 --json benchmarks/results/objectstore.json [--repeats 3]
-        [--endpoint URL --bucket NAME]   # an S3 server of your own (default: moto on 127.0.0.1)
+        [--stores s3,gs,az]              # default: all three, each against its local server
+        [--endpoint URL --bucket NAME]   # s3 only: an S3 server of your own
 
-The server here is moto's, in another process on this machine: absolute speeds say little
-about a real object store, so compare the ratios within one run. The state is the
+The servers are moto's (``s3://``), fake-gcs-server (``gs://``) and Azurite (``az://``), each
+in another process on this machine (``tests/harness/stores.py`` starts the last two): absolute
+speeds say little about a real object store, so compare the ratios within one store's rows. The state is the
 Lightning-shaped checkpoint of ``benchmarks/checkpoint_io.py`` (``--size-mb`` MB of fp32
 parameters + two Adam moments: about 3x is written per save).
 
@@ -106,7 +109,8 @@ class Bench:
         start = time.perf_counter()
         engine.save(self.state, local)
         files = sorted(p for p in local.iterdir() if p.is_file())
-        self.fs.put([str(p) for p in files], [f"{self._uri('upload')[5:]}/{p.name}" for p in files])
+        target = self._uri("upload").split("://", 1)[1]
+        self.fs.put([str(p) for p in files], [f"{target}/{p.name}" for p in files])
         took = time.perf_counter() - start
         engine.close()
         shutil.rmtree(local)
@@ -186,38 +190,76 @@ def report(rows: list[dict[str, Any]], nbytes: int) -> str:
     return "\n".join(lines)
 
 
+def _server(store: str, workdir: Path) -> tuple[Any, str]:
+    """Start ``store``'s local server, point this process at it, make a bucket: ``(process, root URI)``."""
+    import fsspec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.harness import stores
+
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    if store == "s3":
+        proc, endpoint = start_moto()
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+    elif store == "gs":
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # the emulator has no layout API
+        proc, os.environ["STORAGE_EMULATOR_HOST"] = stores.start_fake_gcs(workdir)
+    else:
+        proc, os.environ["AZURE_STORAGE_CONNECTION_STRING"] = stores.start_azurite(workdir)
+    fsspec.filesystem({"s3": "s3", "gs": "gcs", "az": "az"}[store], skip_instance_cache=True).mkdir(bucket)
+    return proc, f"{store}://{bucket}/bench"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, required=True, help="MB of fp32 parameters (about 3x is written)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the results JSON")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--endpoint", default=None, help="an S3 endpoint URL (default: start moto on 127.0.0.1)")
-    parser.add_argument("--bucket", default=None, help="an existing bucket at --endpoint")
+    parser.add_argument("--stores", default="s3,gs,az", help="comma-separated: s3, gs, az (default: all three)")
+    parser.add_argument("--endpoint", default=None, help="s3: an S3 endpoint URL (default: start moto on 127.0.0.1)")
+    parser.add_argument("--bucket", default=None, help="s3: an existing bucket at --endpoint")
     args = parser.parse_args(argv)
-    server = None
-    if args.endpoint is None:
-        server, args.endpoint = start_moto()
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    os.environ["AWS_ENDPOINT_URL"] = args.endpoint
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    try:
-        bucket = args.bucket
-        if bucket is None:
-            import boto3
-
-            bucket = f"bench-{uuid.uuid4().hex[:8]}"
-            boto3.client("s3", endpoint_url=args.endpoint).create_bucket(Bucket=bucket)
-        rows = run(args.size_mb, args.repeats, f"s3://{bucket}/bench")
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
+    chosen = [s.strip() for s in args.stores.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in ("s3", "gs", "az")]
+    if unknown or not chosen:
+        parser.error(f"--stores: {unknown or chosen} not among s3, gs, az")
     nbytes = sum(t.nbytes for t in tensors_of(build_state(args.size_mb)))
-    print(report(rows, nbytes))
-    write_json(args.json, {"results": rows, "config": {"size_mb": args.size_mb, "bytes_per_save": nbytes,
-                                                       "repeats": args.repeats, "server": "moto" if server else
-                                                       args.endpoint}})
+    results, servers = [], {}
+    for store in chosen:
+        workdir = Path(tempfile.mkdtemp(prefix=f"objectstore_server_{store}_"))
+        proc = None
+        try:
+            if store == "s3" and args.endpoint is not None:
+                os.environ["AWS_ENDPOINT_URL"] = args.endpoint
+                root, servers[store] = f"s3://{args.bucket}/bench", args.endpoint
+            else:
+                proc, root = _server(store, workdir)
+                servers[store] = {"s3": "moto", "gs": "fake-gcs-server", "az": "Azurite"}[store]
+            rows = run(args.size_mb, args.repeats, root)
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"\n{store}:// ({servers[store]})")
+        print(report(rows, nbytes))
+        results += [{"store": store, **row} for row in rows]
+    if len(chosen) > 1:
+        print("\nside by side: durable (load: read) seconds, and the ratio to the store's fsspec peer")
+        print(f"{'method':<14}" + "".join(f"{s + '://':>20}" for s in chosen))
+        for method in SAVE_METHODS + LOAD_METHODS:
+            cells = []
+            for store in chosen:
+                by = {r["method"]: r for r in results if r["store"] == store}
+                peer = by["fsspec_load" if method in LOAD_METHODS else "fsspec_save"]
+                value = lambda r: r["durable_s"] if r["durable_s"] is not None else r["blocked_s"]  # noqa: E731
+                cells.append(f"{value(by[method]):>11.3f} ({value(by[method]) / value(peer):4.2f}x)")
+            print(f"{method:<14}" + "".join(f"{c:>20}" for c in cells))
+    write_json(args.json, {"results": results, "config": {"size_mb": args.size_mb, "bytes_per_save": nbytes,
+                                                          "repeats": args.repeats, "servers": servers}})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where a plugin imported torch first
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# gcsfs asks a real GCS's storage-control gRPC API for each bucket's layout (60 s of retries
+# against fake-gcs-server, which has none): the plain GCS file system, as before gcsfs 2025.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")
 
@@ -281,6 +284,61 @@ def s3_uploads(endpoint: str, uri: str) -> list[str]:
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     return sorted(u["Key"] for u in s3_client(endpoint).list_multipart_uploads(Bucket=bucket, Prefix=prefix)
                   .get("Uploads", []) or [])
+
+
+def _pointed_at(env: dict[str, str]) -> Any:
+    """Set ``env`` in this process (and so in the processes the tests start) until the end."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope() -> Any:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    return scope()
+
+
+@pytest.fixture(scope="session")
+def gs_server(tmp_path_factory) -> Any:
+    """fake-gcs-server on 127.0.0.1, ``STORAGE_EMULATOR_HOST`` pointing at it; yields a :class:`Store`."""
+    from tests.harness.stores import Store, start_fake_gcs
+
+    proc, url = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
+    try:
+        with _pointed_at({"STORAGE_EMULATOR_HOST": url}):
+            yield Store("gs", {"STORAGE_EMULATOR_HOST": url})
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def az_server(tmp_path_factory) -> Any:
+    """Azurite's Blob service on 127.0.0.1, ``AZURE_STORAGE_CONNECTION_STRING`` pointing at it;
+    yields a :class:`Store`."""
+    from tests.harness.stores import Store, start_azurite
+
+    proc, connection = start_azurite(tmp_path_factory.mktemp("azurite"))
+    try:
+        with _pointed_at({"AZURE_STORAGE_CONNECTION_STRING": connection}):
+            yield Store("az", {"AZURE_STORAGE_CONNECTION_STRING": connection})
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(params=["gs", "az"])
+def store(request) -> Any:
+    """Each of the object stores besides S3 (``gs://``, ``az://``), its server started."""
+    return request.getfixturevalue(f"{request.param}_server")
 
 
 @pytest.fixture(scope="session")

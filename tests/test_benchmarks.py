@@ -37,18 +37,19 @@ def test_recover_e2e_benchmark_runs_on_one_and_two_ranks_and_writes_its_json(tmp
     assert "recover_sync" in proc.stdout and "async blocked / host copy" in proc.stdout
 
 
-def test_objectstore_benchmark_runs_against_its_moto_server_and_writes_its_json(tmp_path) -> None:
-    pytest.importorskip("s3fs")
+def test_objectstore_benchmark_runs_against_its_three_servers_and_writes_its_json(tmp_path) -> None:
     out = tmp_path / "objectstore.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "objectstore.py"), "--size-mb", "1",
                            "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=600,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
-    assert [r["method"] for r in doc["results"]] == ["fsspec_save", "local_upload", "ours_sync", "ours_async",
-                                                     "fsspec_load", "ours_load"]
+    methods = ["fsspec_save", "local_upload", "ours_sync", "ours_async", "fsspec_load", "ours_load"]
+    assert [(r["store"], r["method"]) for r in doc["results"]] == [(s, m) for s in ("s3", "gs", "az") for m in methods]
     assert all(r["blocked_s"] > 0 for r in doc["results"])
-    assert "ratios against torch's FsspecWriter / FsspecReader" in proc.stdout
+    assert doc["config"]["servers"] == {"s3": "moto", "gs": "fake-gcs-server", "az": "Azurite"}
+    assert proc.stdout.count("ratios against torch's FsspecWriter / FsspecReader") == 3
+    assert "side by side" in proc.stdout
 
 
 def test_convert_benchmark_runs_and_writes_its_json(tmp_path) -> None:

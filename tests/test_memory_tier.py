@@ -286,7 +286,8 @@ def test_two_ranks_upload_the_shared_tier_from_their_slots_to_a_bucket(tmp_path,
 
     ref_root, ref = reference_run(tmp_path_factory, command("{root}"), timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    killed = subprocess.run(command(str(tmp_path), "--memory", "--fileroot", s3_root, "--kill-at-step", "7"),
+    lease = ("--lock-lease-s", "2")  # the killed run's trial lease on the bucket: taken over 2 s after the kill
+    killed = subprocess.run(command(str(tmp_path), "--memory", "--fileroot", s3_root, *lease, "--kill-at-step", "7"),
                             capture_output=True, text=True, timeout=600)
     assert killed.returncode != 0
     uploads = re.findall(r"rank (\d) copied [\d.]+ MB of its memory-tier slot \d+ into the shared tier's (\S+) in",
@@ -294,7 +295,7 @@ def test_two_ranks_upload_the_shared_tier_from_their_slots_to_a_bucket(tmp_path,
     assert {rank for rank, _ in uploads} == {"0", "1"} and all(uri.startswith(s3_root) for _, uri in uploads), \
         killed.stderr[-3000:]
     shutil.rmtree(tmp_path / "memory")
-    rerun = subprocess.run(command(str(tmp_path), "--memory", "--fileroot", s3_root), capture_output=True,
+    rerun = subprocess.run(command(str(tmp_path), "--memory", "--fileroot", s3_root, *lease), capture_output=True,
                            text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert rerun.stderr.count(f"resuming from the shared tier, {s3_root}") == 2, rerun.stderr[-3000:]

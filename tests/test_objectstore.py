@@ -418,8 +418,9 @@ def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_t
     reference = tmp_path / "reference"
     _ok(_train_lm(reference, *args), reference)
     run = tmp_path / "run"
-    assert _train_lm(run, "--fileroot", s3_root, "--kill-at-step", "7", *args).returncode != 0
-    resumed = _train_lm(run, "--fileroot", s3_root, *args)
+    lease = ("--lock-lease-s", "2")  # the killed run's trial lease: the rerun takes it over 2 s after the kill
+    assert _train_lm(run, "--fileroot", s3_root, *lease, "--kill-at-step", "7", *args).returncode != 0
+    resumed = _train_lm(run, "--fileroot", s3_root, *lease, *args)
     _ok(resumed, run)
     trial = f"{s3_root}/checkpoints/u/exp/t"
     assert f"RecoverCallback: resumed from {trial}/default/recover_checkpoint/" in resumed.stderr
@@ -453,7 +454,7 @@ def test_a_sigkill_in_the_middle_of_an_upload_resumes_from_the_previous_generati
     """The run is SIGKILLed while a data file of the step-10 save is a multipart upload in
     progress: the rerun resumes from step 5's committed generation, bit for bit, and after its
     next commit neither the killed generation nor its incomplete upload is left."""
-    args = ("--hidden", "200000", "--freq-steps", "5", "--epochs", "2",
+    args = ("--hidden", "200000", "--freq-steps", "5", "--epochs", "2", "--lock-lease-s", "2",
             "--storage-options", json.dumps(SMALL_PARTS))  # ~9 MB of weights, 24 MB per save: two files of three parts
     reference = tmp_path / "reference"
     reference.mkdir()

@@ -64,7 +64,7 @@ class ObjectFileSystem(FsspecFileSystem):
         try:
             yield upload
         except BaseException as exc:
-            stream.discard()  # s3fs: aborts the multipart upload; nothing is uploaded at close
+            stream.discard()  # s3fs: aborts the multipart upload, gcsfs the resumable one; adlfs's blocks stay uncommitted
             stream.closed = True
             if upload.error is not None and upload.error is not exc:
                 # torch.save's zip writer reports a failed write as "unexpected pos": the cause is this
@@ -77,7 +77,8 @@ class _Upload:
     """An object being written: keeps the first error of a ``write`` (a failed part upload),
     which ``torch.save``'s zip writer would otherwise replace by its own message, and reports
     the fault point ``objectstore.mid_upload`` once the first part of a multipart upload is
-    sent (the object is then incomplete and invisible)."""
+    sent (the object is then incomplete and invisible: an S3 multipart upload, a GCS resumable
+    upload, Azure blocks not yet committed)."""
 
     def __init__(self, raw: Any) -> None:
         self._raw = raw
@@ -87,7 +88,7 @@ class _Upload:
     def write(self, data: Any) -> int:
         try:
             written = self._raw.write(data)
-            if self._watch and getattr(self._raw, "parts", None):
+            if self._watch and (getattr(self._raw, "offset", None) or 0) > 0:  # fsspec: bytes already sent
                 self._watch = False
                 fault_point("objectstore.mid_upload")
         except BaseException as exc:

@@ -150,6 +150,7 @@ def main() -> int:
     p.add_argument("--gpu", action="store_true", help="CUDA + NCCL with Lightning's own FSDPStrategy (tests/gpu)")
     p.add_argument("--strategy", default="fsdp1", choices=["fsdp1", "fsdp2", "ddp", "single"])
     p.add_argument("--fileroot", default=None, help="both callbacks' fileroot (default: --root)")
+    p.add_argument("--lock-lease-s", type=float, default=60.0, help="RecoverCallback(lock_lease_s=...): an object store's trial lease")
     p.add_argument("--storage-options", default=None, help="JSON: both callbacks' storage_options")
     args = p.parse_args()
 
@@ -178,7 +179,8 @@ def main() -> int:
                   storage_options=json.loads(args.storage_options) if args.storage_options else None)
     hf = HFSaverCallback(**common, mode=args.hf_mode, freq_steps=args.hf_freq_steps, sharded_method=args.method,
                          **timeout)
-    recover = RecoverCallback(**common, freq_steps=args.freq_steps, io_mode=args.io_mode, **timeout)
+    recover = RecoverCallback(**common, freq_steps=args.freq_steps, io_mode=args.io_mode, lock_lease_s=args.lock_lease_s,
+                              **timeout)
     callbacks = [hf, recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))

