@@ -202,6 +202,22 @@ class CheckpointGroup:
             raise RankFailure(f"{what} failed on rank {rank}: {msg}")
         return [value for _, value in reports]
 
+    def share(self, error: BaseException | None, what: str, payload: Any = None, *, source: int = 0) -> Any:
+        """Rank ``source``'s ``payload`` on every rank, once every rank agreed that none failed
+        (:meth:`agree` of ``error``, nothing else sent): one broadcast, the other ranks send
+        nothing (where ``agree`` would gather every rank's payload). Without an active
+        multi-rank process group: ``payload`` (or ``error`` raised)."""
+        self.agree(error, what)
+        if not self.active():
+            return payload
+        box = [payload if dist.get_rank() == source else None]
+        try:
+            dist.broadcast_object_list(box, src=source, group=self.group)
+        except Exception as exc:  # a rank died or hangs: gloo's timeout
+            raise RankFailure(f"{what}: rank {source}'s data did not reach every rank within collective_timeout="
+                              f"{self.timeout:g}s (another rank failed, was killed or hangs): {exc}") from exc
+        return box[0]
+
     def any(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` is set on any rank (one all-reduce of one integer on the gloo group;
         without an active multi-rank process group: ``flag``)."""

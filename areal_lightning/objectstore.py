@@ -200,12 +200,15 @@ def describe_error(exc: BaseException, uri: str, operation: str) -> StorageError
     bucket = bucket_of(uri)
     text = str(exc)
     low = text.lower()
-    if isinstance(exc, FileNotFoundError) and ("bucket" in low or "nosuchbucket" in low):
-        why = f"the bucket {bucket!r} does not exist (areal-lightning never creates buckets: create it first)"
+    kind = "container" if uri_scheme(uri) in ("az", "abfs", "abfss") else "bucket"
+    if (isinstance(exc, FileNotFoundError) and ("bucket" in low or "nosuchbucket" in low)) or \
+            "containernotfound" in low or "container does not exist" in low:
+        why = f"the {kind} {bucket!r} does not exist (areal-lightning never creates {kind}s: create it first)"
     elif isinstance(exc, PermissionError) or any(w in low for w in ("accessdenied", "access denied", "forbidden",
-                                                                     "invalidaccesskeyid", "signaturedoesnotmatch")):
-        why = (f"access to the bucket {bucket!r} was denied ({text}); check the credentials (environment, profile, "
-               "instance role, storage_options) and that they allow this operation")
+                                                                     "invalidaccesskeyid", "signaturedoesnotmatch",
+                                                                     "authorizationfailure", "authenticationfailed")):
+        why = (f"access to the {kind} {bucket!r} was denied ({text.splitlines()[0] if text else ''}); check the "
+               "credentials (environment, profile, instance role, storage_options) and that they allow this operation")
     else:
         why = f"{type(exc).__name__}: {text}"
     error = StorageError(f"{operation} {uri} failed: {why}")

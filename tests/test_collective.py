@@ -31,6 +31,9 @@ def test_the_agreement_without_a_process_group_returns_or_raises_locally(tmp_pat
     assert ranks.agree(None, "x", payload=7) == [7]
     with pytest.raises(KeyError, match="mine"):
         ranks.agree(KeyError("mine"), "x")
+    assert ranks.share(None, "x", payload={"a": b"1"}) == {"a": b"1"}
+    with pytest.raises(KeyError, match="mine"):
+        ranks.share(KeyError("mine"), "x", payload=1)
     check_shared_storage(ranks, tmp_path / "trial", lead=True)  # one process: nothing to compare
     assert not (tmp_path / "trial").exists()
 

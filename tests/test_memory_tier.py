@@ -230,18 +230,20 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_recover.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, memory_lost", [("fsdp2", False), ("fsdp1", True)])
+@pytest.mark.parametrize("strategy, devices, memory_lost", [("fsdp2", 2, False), ("fsdp1", 2, True),
+                                                            ("ddp", 4, False)])
 def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied_from_it(
-        tmp_path, tmp_path_factory, strategy, memory_lost) -> None:
-    """FSDP2 / FSDP1 on 2 ranks (each rank's slot holds its shards), SIGKILL of both ranks at step
-    7: the rerun resumes from the memory tier (step 6), or, with the tier deleted (a node lost,
-    no replica), from the shared tier's step 5, which was copied from the slots (the chunks of
-    every rank merged); every rank's losses are the uninterrupted run's, bit for bit."""
+        tmp_path, tmp_path_factory, strategy, devices, memory_lost) -> None:
+    """FSDP2 / FSDP1 on 2 ranks (each rank's slot holds its shards), DDP on 4, SIGKILL of every
+    rank at step 7: the rerun resumes from the memory tier (step 6; rank 0's skeleton broadcast
+    to the others), or, with the tier deleted (a node lost, no replica), from the shared tier's
+    step 5, which was copied from the slots (the chunks of every rank merged); every rank's
+    losses are the uninterrupted run's, bit for bit."""
     from tests.harness.losses import step_losses
 
     def command(root: str, *extra: str) -> list[str]:
-        return [sys.executable, str(SCRIPT), "--root", root, "--losses", f"{root}/losses", "--devices", "2",
-                "--strategy", strategy, "--epochs", "2", *extra]
+        return [sys.executable, str(SCRIPT), "--root", root, "--losses", f"{root}/losses", "--devices", str(devices),
+                "--strategy", strategy, "--epochs", str(12 // (48 // devices // 4)), *extra]  # 12 steps a rank
 
     ref_root, ref = reference_run(tmp_path_factory, command("{root}"), timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -263,9 +265,9 @@ def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied
     rerun = subprocess.run(command(str(tmp_path), "--memory"), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     tier, step = ("shared", 4) if memory_lost else ("memory", 5)
-    assert rerun.stderr.count(f"resuming from the {tier} tier") == 2, rerun.stderr[-3000:]
+    assert rerun.stderr.count(f"resuming from the {tier} tier") == devices, rerun.stderr[-3000:]
     assert f"after global step {step} " in rerun.stderr
-    for rank in range(2):
+    for rank in range(devices):
         want, got = step_losses(f"{ref_root}/losses.rank{rank}"), step_losses(tmp_path / f"losses.rank{rank}")
         assert got == want
 

@@ -4,10 +4,12 @@ session fixtures ``gs_server`` / ``az_server`` of ``conftest.py``; see ``tests/h
 
 In-process: generations committed by the store's own conditional create (GCS
 ``ifGenerationMatch=0``, Azure ``If-None-Match: *``), an upload failing in the middle, a stop at
-each commit point, the trial lock's lease. Real processes: both callbacks on their defaults,
-SIGKILL mid-epoch, the same command, every rank's losses bit for bit and every HF export
-downloaded byte-equal and loadable (1 process and 2-rank DDP on both stores, FSDP2 on Azure); a
-SIGKILL in the middle of an upload.
+each commit point, the trial lock's lease, a missing bucket / container and a wrong Azure key
+(clear errors before training, no secret), ``convert`` of a trial on each of the three stores
+(equal to ``convert`` of the downloaded checkpoint). Real processes: both callbacks on their
+defaults, SIGKILL mid-epoch, the same command, every rank's losses bit for bit and every HF
+export downloaded byte-equal and loadable (1 process and 2-rank DDP on both stores, FSDP2 on
+Azure); a SIGKILL in the middle of an upload; ``areal-lightning run --retries`` after a SIGKILL.
 """
 
 from __future__ import annotations
@@ -259,3 +261,108 @@ def test_a_sigkill_in_the_middle_of_an_upload_resumes_from_the_previous_generati
     assert "after global step 4 (epoch 0, step 4 in epoch)" in resumed.stderr
     assert step_losses(run / "losses.jsonl") == step_losses(reference / "losses.jsonl")
     assert len(_generations(store, f"{root}/checkpoints/u/exp/t/default/recover_checkpoint")) == 1
+
+
+# -- the tools on a URI ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
+def test_convert_reads_a_trial_on_the_store_in_place_and_equals_convert_of_the_downloaded_checkpoint(
+        request, tmp_path, tokenizer, scheme) -> None:
+    """``convert URI`` (a trial on the store) writes, for each target, the same bytes as
+    ``convert`` of its newest recover checkpoint downloaded first (``--to hf`` taking the config
+    and tokenizer of the trial's newest export, which ``download_export`` fetches for the local
+    one); ``inspect`` and ``download`` take the URI too."""
+    from conftest import LMModule, make_trainer, tiny_llama, token_loader
+
+    from areal_lightning import HFSaverCallback, RecoverCallback, download_export
+    from areal_lightning.tools.convert import convert
+    from areal_lightning.tools.inspect import inspect_path
+    from tests.harness.stores import Store
+
+    request.getfixturevalue(f"{scheme}_server")
+    store = Store(scheme)
+    root = store.new_root()
+    where = dict(fileroot=root, experiment_name="e", trial_name="t", user="u")
+    callbacks = [HFSaverCallback(**where, freq_steps=4, mode="sync"), RecoverCallback(**where, freq_steps=4,
+                                                                                       io_mode="sync")]
+    make_trainer(callbacks, max_steps=8).fit(LMModule(tiny_llama(), tokenizer), token_loader())
+    trial = f"{root}/checkpoints/u/e/t"
+    report, = inspect_path(trial)
+    assert report["valid"], report["errors"]
+
+    fs = store.fs()
+    gens = sorted({k.split("/")[-2] for k in store.objects(f"{trial}/default/recover_checkpoint")})
+    assert len(gens) == 1
+    local = tmp_path / "download" / "recover_checkpoint"
+    fs.get(f"{trial}/default/recover_checkpoint/{gens[0]}".split("://", 1)[1], str(local), recursive=True)
+    export = download_export(f"{trial}/default", tmp_path / "download" / "export")
+
+    for to, out in (("lightning", "model.ckpt"), ("dcp", "dcp"), ("hf", "hf")):
+        remote = convert(trial, to, tmp_path / "from_uri" / out)
+        downloaded = convert(local, to, tmp_path / "from_download" / out, hf_config=export if to == "hf" else None)
+        files = sorted(p.relative_to(remote) for p in remote.rglob("*") if p.is_file()) if remote.is_dir() else [Path()]
+        assert files == (sorted(p.relative_to(downloaded) for p in downloaded.rglob("*") if p.is_file())
+                         if downloaded.is_dir() else [Path()])
+        for rel in files:
+            assert (remote / rel).read_bytes() == (downloaded / rel).read_bytes(), (to, rel)
+    assert (tmp_path / "from_uri" / "hf" / "model.safetensors").read_bytes() == (export / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_run_with_retries_resumes_a_killed_run_from_the_store(store, tmp_path, tmp_path_factory) -> None:
+    """``areal-lightning run --retries 1 -- <training command on the store>``: the first attempt
+    is SIGKILLed at step 5; the second takes over its expired trial lease and resumes from the
+    store, bit for bit."""
+    args = ("--freq-steps", "3", "--epochs", "1")
+    reference = _reference(tmp_path_factory, SCRIPT, *args)
+    root = store.new_root()
+    run = tmp_path / "run"
+    run.mkdir()
+    command = [sys.executable, str(SCRIPT), "--root", str(run), "--losses", str(run / "losses.jsonl"), *args,
+               "--fileroot", root, "--lock-lease-s", "2", "--kill-at-step", "5"]
+    proc = subprocess.run([sys.executable, "-m", "areal_lightning", "run", "--retries", "1", "--", *command],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attempt 1/2 failed (killed by SIGKILL)" in proc.stderr
+    assert "took over the expired lease" in proc.stderr and "RecoverCallback: resumed from" in proc.stderr
+    assert step_losses(run / "losses.jsonl") == step_losses(reference / "losses.jsonl")
+
+
+# -- setup errors -----------------------------------------------------------------------------
+
+
+def _fit_on(fileroot: str, tmp_path: Path, **kwargs) -> None:
+    from conftest import LMModule, make_trainer, tiny_llama, token_loader
+
+    from areal_lightning import RecoverCallback
+
+    recover = RecoverCallback(fileroot=fileroot, experiment_name="e", trial_name="t", user="u", freq_steps=2, **kwargs)
+    make_trainer([recover], max_steps=2, default_root_dir=str(tmp_path)).fit(LMModule(tiny_llama()), token_loader())
+
+
+def test_a_missing_bucket_or_container_is_a_clear_error_before_training(store, tmp_path) -> None:
+    from areal_lightning.objectstore import StorageError
+
+    kind = "container" if store.scheme == "az" else "bucket"
+    with pytest.raises(StorageError, match=rf"rank 0: the setup check's write \(PUT\) of {store.scheme}://no-such-"
+                                           rf"bucket-x/.* failed: the {kind} 'no-such-bucket-x' does not exist "
+                                           rf"\(areal-lightning never creates {kind}s: create it first\)"):
+        _fit_on(f"{store.scheme}://no-such-bucket-x/root", tmp_path)
+    assert not list(tmp_path.rglob("*.distcp"))
+
+
+def test_a_wrong_azure_key_is_a_clear_error_naming_the_container_and_no_secret(az_server, tmp_path) -> None:
+    import base64
+
+    from areal_lightning.objectstore import StorageError
+    from tests.harness.stores import AZURITE_KEY
+
+    root = az_server.new_root()
+    wrong = base64.b64encode(b"not the account key of this storage account....").decode()
+    connection = az_server.env["AZURE_STORAGE_CONNECTION_STRING"].replace(AZURITE_KEY, wrong)
+    with pytest.raises(StorageError) as raised:
+        _fit_on(root, tmp_path, storage_options={"connection_string": connection})
+    text = str(raised.value)
+    assert f"access to the container '{root.split('/')[2]}' was denied" in text, text
+    assert wrong not in text and AZURITE_KEY not in text and "AccountKey" not in text

@@ -55,9 +55,71 @@ class ConvertError(AreaLightningError, ValueError):
 
 @dataclass
 class _Source:
-    ckpt_dir: Path
-    trial_dir: Path | None
+    ckpt_dir: Path | str
+    trial_dir: Path | str | None
     info: dict[str, dict[str, Any]]
+
+
+def _remote_source(uri: str) -> _Source:
+    """The newest committed recover checkpoint of the one trial at or below ``uri`` (an object
+    store: ``s3://``, ``gs://``, ``az://``), or the checkpoint at ``uri`` itself (a committed
+    generation, or a folder ``DCPCheckpointIO`` wrote there); read in place, item by item."""
+    from areal_lightning.commit.generations import Generations
+    from areal_lightning.commit.object_recover_store import ObjectRecoverStore
+    from areal_lightning.layout import TrialLayout
+    from areal_lightning.objectstore import filesystem, join, strip
+    from areal_lightning.tools.inspect_remote import find_remote_trials
+
+    uri = uri.rstrip("/")
+    fs = filesystem(uri)
+    if fs.exists(strip(fs, join(uri, COMMIT_MARKER))):  # a checkpoint folder itself
+        return _Source(uri, None, {})
+    generations = Generations(uri)
+    newest = generations.newest()
+    if newest is not None and fs.exists(strip(fs, join(generations.uri(newest[0]), COMMIT_MARKER))):
+        return _Source(generations.uri(newest[0]), None, {})  # a checkpoint path: its newest generation
+    trials = find_remote_trials(uri)
+    if len(trials) != 1:
+        raise ConvertError(f"{uri} holds {len(trials)} trials ({', '.join(trials[:5])}); pass one trial "
+                           "{fileroot}/checkpoints/{user}/{experiment}/{trial}")
+    trial = trials[0]
+    fileroot, user, experiment, name = trial.rsplit("/", 4)[0], *trial.split("/")[-3:]
+    layout = TrialLayout(fileroot, user, experiment, name)
+    models = sorted(base for entry in fs.ls(strip(fs, trial), detail=True, refresh=True)
+                    if entry.get("type") == "directory" and fs.exists(strip(fs, join(
+                        trial, base := entry["name"].rstrip("/").rsplit("/", 1)[-1], RECOVER_CHECKPOINT))))
+    store = ObjectRecoverStore(layout, "default" if "default" in models or not models else models[0])
+    if not store.exists():
+        raise ConvertError(f"{trial} has no committed recover checkpoint ({store.info_dir})")
+    info = store.read_info()
+    store.verify(info[CHECKPOINT_INFO], data=None)  # presence, sizes, .metadata; items as they are read
+    return _Source(store.checkpoint_path(), trial, info)
+
+
+def _export_files(source: _Source, name: str) -> Path | None:
+    """For a checkpoint on an object store (which records no HF model files): the config and
+    tokenizer files of the trial's newest committed HF export of model ``name`` (downloaded,
+    weights left out), as ``hf_config``; ``None``: the trial has no such export."""
+    from areal_lightning.commit.generations import MARKER
+    from areal_lightning.commit.upload import committed_exports
+    from areal_lightning.objectstore import filesystem, join, strip
+
+    if not isinstance(source.trial_dir, str):
+        return None
+    exports = committed_exports(join(source.trial_dir, name))
+    if not exports:
+        return None
+    uri = exports[-1][1]
+    fs = filesystem(uri)
+    folder = Path(tempfile.mkdtemp(prefix="areal-convert-hf-files-"))
+    atexit.register(shutil.rmtree, folder, True)
+    for remote in fs.ls(strip(fs, uri), detail=False):
+        base = remote.rstrip("/").rsplit("/", 1)[-1]
+        if base != MARKER and "safetensors" not in base:  # config, generation config, tokenizer files
+            fs.get_file(remote, str(folder / base))
+    log.info("convert: %s records no HF model files (an object store): the config and tokenizer of its export %s",
+             source.trial_dir, uri)
+    return folder
 
 
 def _source(path: str | os.PathLike[str]) -> _Source:
@@ -69,8 +131,11 @@ def _source(path: str | os.PathLike[str]) -> _Source:
     from areal_lightning.commit.memory_tier import is_tier_folder, newest_complete_step
     from areal_lightning.commit.recover_store import RecoverStore, check_info
     from areal_lightning.write.persist import merged_view
+    from areal_lightning.objectstore import is_remote
     from areal_lightning.tools.inspect import find_trials, layout_of, pending_swap
 
+    if is_remote(path):
+        return _remote_source(str(path))
     given = Path(path)
     if is_tier_folder(given):  # a memory tier: its newest step every rank sealed, merged as the shared tier's
         newest = newest_complete_step(given)
@@ -298,7 +363,9 @@ def convert(path: str | os.PathLike[str], to: str, out: str | os.PathLike[str], 
 
     Args:
         path: a fileroot holding one trial, a trial folder, or a ``recover_checkpoint/`` folder
-            (``dcp`` also: any checkpoint folder ``DCPCheckpointIO`` wrote).
+            (``dcp`` also: any checkpoint folder ``DCPCheckpointIO`` wrote); local, or on an object
+            store (``s3://``, ``gs://``, ``az://``: read in place, item by item, each verified; an
+            HF export of the trial gives ``--to hf`` its config and tokenizer files).
         to: one of :data:`CONVERT_TARGETS`.
         out: the folder (``hf``, ``dcp``) or file (``lightning``) to create; must not exist (or be empty).
         name: the HF model to write (``HFSaverCallback(name=...)``, e.g. ``"critic"``);
@@ -317,6 +384,8 @@ def convert(path: str | os.PathLike[str], to: str, out: str | os.PathLike[str], 
         raise ConfigError("to", f"unknown target {to!r}; allowed: {', '.join(CONVERT_TARGETS)}")
     source = _source(path)
     target = Path(out)
+    if to == "hf" and hf_config is None and name not in source.info.get(CHECKPOINT_INFO, {}).get("hf_models", {}):
+        hf_config = _export_files(source, name)
     if to == "hf":
         _to_hf(source, target, name, model_attr, hf_config)
     elif to == "dcp":

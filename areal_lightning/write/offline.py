@@ -105,6 +105,8 @@ def write_stock_copy(path: PathLike, out: Path) -> Read:
             target.flush()
             os.fsync(target.fileno())
     metadata.storage_data = storage
+    if getattr(metadata, "storage_meta", None) is not None:
+        metadata.storage_meta.load_id = None  # as saved: the reader stamped this read's random id on it
     with open(out / COMMIT_MARKER, "wb") as f:
         pickle.dump(metadata, f)
         f.flush()

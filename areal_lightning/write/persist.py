@@ -225,7 +225,7 @@ def resume_view(slot: Path, view: Path, ranks: CheckpointGroup) -> Path:
                         payload[_key(index)] = file.read(info.length)
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
-    sent = ranks.agree(error, "memory tier: rank 0's items for the other ranks", payload)[0]
+    sent = ranks.share(error, "memory tier: rank 0's items for the other ranks", payload)  # a broadcast
     view.mkdir(parents=True, exist_ok=True)
     storage: dict[MetadataIndex, Any] = {}
     linked: dict[str, str] = {}
