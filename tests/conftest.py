@@ -306,33 +306,33 @@ def _pointed_at(env: dict[str, str]) -> Any:
     return scope()
 
 
-@pytest.fixture(scope="session")
-def gs_server(tmp_path_factory) -> Any:
-    """fake-gcs-server on 127.0.0.1, ``STORAGE_EMULATOR_HOST`` pointing at it; yields a :class:`Store`."""
-    from tests.harness.stores import Store, start_fake_gcs
+def _served(store: str, workdir: Any) -> Any:
+    """Start ``store``'s server (``gs``: fake-gcs-server, ``az``: Azurite), point the environment
+    at it while the session lasts, yield its :class:`~tests.harness.stores.Store`."""
+    from tests.harness import stores
 
-    proc, url = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
+    start, variable = {"gs": (stores.start_fake_gcs, "STORAGE_EMULATOR_HOST"),
+                       "az": (stores.start_azurite, "AZURE_STORAGE_CONNECTION_STRING")}[store]
+    proc, value = start(workdir)
     try:
-        with _pointed_at({"STORAGE_EMULATOR_HOST": url}):
-            yield Store("gs", {"STORAGE_EMULATOR_HOST": url})
+        with _pointed_at({variable: value}):
+            yield stores.Store(store, {variable: value})
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def gs_server(tmp_path_factory) -> Any:
+    """fake-gcs-server on 127.0.0.1, ``STORAGE_EMULATOR_HOST`` pointing at it; yields a ``Store``."""
+    yield from _served("gs", tmp_path_factory.mktemp("fake-gcs"))
 
 
 @pytest.fixture(scope="session")
 def az_server(tmp_path_factory) -> Any:
     """Azurite's Blob service on 127.0.0.1, ``AZURE_STORAGE_CONNECTION_STRING`` pointing at it;
-    yields a :class:`Store`."""
-    from tests.harness.stores import Store, start_azurite
-
-    proc, connection = start_azurite(tmp_path_factory.mktemp("azurite"))
-    try:
-        with _pointed_at({"AZURE_STORAGE_CONNECTION_STRING": connection}):
-            yield Store("az", {"AZURE_STORAGE_CONNECTION_STRING": connection})
-    finally:
-        proc.kill()
-        proc.wait()
+    yields a ``Store``."""
+    yield from _served("az", tmp_path_factory.mktemp("azurite"))
 
 
 @pytest.fixture(params=["gs", "az"])

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -400,29 +401,25 @@ def _lm_losses(root: Path, ranks: int) -> dict[tuple[int, int], set[str]]:
     return rank_losses(root, ranks)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(LM_CASES))
-def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_the_bucket(
-        s3_server, s3_root, tmp_path, case) -> None:
-    """1 process, DDP, FSDP2 with fileroot=s3://: every rank's loss of every step equals
-    the uninterrupted local run's; every committed HF export downloads, loads with
-    ``from_pretrained`` / ``AutoTokenizer`` and equals the local run's export of that step
-    byte for byte; ``inspect`` reports the trial valid; one recover generation is left, no
-    incomplete upload, no local folder named like the URI."""
+def sigkill_resume_on_store(root: str, objects: Any, reference: Path, tmp_path: Path, ranks: int,
+                            args: tuple[str, ...]) -> str:
+    """The train_fsdp1.py job with ``fileroot=root`` (an object store), SIGKILLed at the end of
+    step 7 and run again: every rank's loss of every step equals the uninterrupted local run's
+    in ``reference``; every committed HF export downloads, loads with ``from_pretrained`` /
+    ``AutoTokenizer`` and equals the local run's export of that step byte for byte; ``inspect``
+    reports the trial valid; one recover generation is left (``objects(uri)``: the keys under
+    ``uri``); no local folder named like the URI. Returns the trial's URI."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from areal_lightning import download_export
     from areal_lightning.tools.inspect import inspect_path
 
-    ranks, args = LM_CASES[case]
-    reference = tmp_path / "reference"
-    _ok(_train_lm(reference, *args), reference)
     run = tmp_path / "run"
     lease = ("--lock-lease-s", "2")  # the killed run's trial lease: the rerun takes it over 2 s after the kill
-    assert _train_lm(run, "--fileroot", s3_root, *lease, "--kill-at-step", "7", *args).returncode != 0
-    resumed = _train_lm(run, "--fileroot", s3_root, *lease, *args)
+    assert _train_lm(run, "--fileroot", root, *lease, "--kill-at-step", "7", *args).returncode != 0
+    resumed = _train_lm(run, "--fileroot", root, *lease, *args)
     _ok(resumed, run)
-    trial = f"{s3_root}/checkpoints/u/exp/t"
+    trial = f"{root}/checkpoints/u/exp/t"
     assert f"RecoverCallback: resumed from {trial}/default/recover_checkpoint/" in resumed.stderr
     assert _lm_losses(run, ranks) == _lm_losses(reference, ranks)
 
@@ -442,10 +439,24 @@ def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_t
     model = AutoModelForCausalLM.from_pretrained(newest)
     assert AutoTokenizer.from_pretrained(newest)("1+2=3")["input_ids"]
     assert model.config.num_hidden_layers == 2
-    keys = s3_objects(s3_server, f"{trial}/recover_info") + s3_objects(s3_server, f"{trial}/default/recover_checkpoint")
+    keys = objects(f"{trial}/recover_info") + objects(f"{trial}/default/recover_checkpoint")
     assert len({k.split("/")[-2] for k in keys}) == 1, keys
+    scheme = root.split("://")[0]
+    assert not any(p.name.startswith(f"{scheme}:") for p in [*REPO.iterdir(), *run.iterdir()])
+    return trial
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LM_CASES))
+def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_the_bucket(
+        s3_server, s3_root, tmp_path, case) -> None:
+    """1 process, DDP, FSDP2 with fileroot=s3:// (:func:`sigkill_resume_on_store`); and no
+    incomplete multipart upload is left."""
+    ranks, args = LM_CASES[case]
+    reference = tmp_path / "reference"
+    _ok(_train_lm(reference, *args), reference)
+    trial = sigkill_resume_on_store(s3_root, lambda uri: s3_objects(s3_server, uri), reference, tmp_path, ranks, args)
     assert s3_uploads(s3_server, trial) == []
-    assert not any(p.name.startswith("s3:") for p in [*REPO.iterdir(), *run.iterdir()])
 
 
 @pytest.mark.slow

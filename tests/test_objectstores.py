@@ -25,15 +25,14 @@ import torch
 
 from areal_lightning import DCPCheckpointIO
 from areal_lightning.errors import CheckpointWriteError
-from areal_lightning.layout import parse_export_name
 from areal_lightning.objectstore import write_exclusive
-from tests.harness.losses import rank_losses, step_losses
+from tests.harness.losses import step_losses
 from tests.harness.refcache import shared
 from tests.harness.stores import SMALL_PARTS
+from test_objectstore import LM_SCRIPT, _ok, _train_lm, sigkill_resume_on_store
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "train_recover.py"
-LM_SCRIPT = REPO / "tests" / "scripts" / "train_fsdp1.py"
 
 
 def _state(seed: int = 0, numel: int = 16) -> dict:
@@ -166,17 +165,6 @@ LM_CASES = {  # as tests/test_objectstore.py's s3 cases: (ranks, args)
 }
 
 
-def _train_lm(root: Path, *args: str) -> subprocess.CompletedProcess:
-    root.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, str(LM_SCRIPT), "--root", str(root), "--losses", str(root / "losses"),
-                           *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ))
-
-
-def _ok(proc: subprocess.CompletedProcess, root: Path) -> None:
-    errors = "".join(p.read_text()[:3000] for p in root.glob("error.rank*.txt"))
-    assert proc.returncode == 0, errors or proc.stderr[-4000:]
-
-
 def _reference(tmp_path_factory, script: Path, *args: str) -> Path:
     """The uninterrupted local run of ``script args`` (shared by the tests and workers of this
     pytest run, whatever object-store server environment they have)."""
@@ -196,44 +184,13 @@ def _reference(tmp_path_factory, script: Path, *args: str) -> Path:
 def test_both_callbacks_sigkill_then_the_same_command_resumes_bit_for_bit_from_the_store(
         request, tmp_path, tmp_path_factory, case) -> None:
     """Both callbacks in their default modes, ``fileroot`` on the store, SIGKILLed at step 7 and
-    run again: every rank's losses equal the uninterrupted local run's; every committed HF export
-    downloads byte-equal to the local one and loads; ``inspect`` reports the trial valid; one
-    recover generation is left."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from areal_lightning import download_export
-    from areal_lightning.tools.inspect import inspect_path
-
+    run again (``tests/test_objectstore.py``'s :func:`sigkill_resume_on_store`): bit for bit,
+    every export byte-equal and loadable, the trial valid, one generation left."""
     store = request.getfixturevalue(f"{case.split('-')[0]}_server")
     ranks, args = LM_CASES[case]
     reference = _reference(tmp_path_factory, LM_SCRIPT, *args)
-    root = store.new_root()
-    run = tmp_path / "run"
-    lease = ("--lock-lease-s", "2")  # the killed run's trial lease: the rerun takes it over 2 s after the kill
-    killed = _train_lm(run, "--fileroot", root, *lease, "--kill-at-step", "7", *args)
-    assert killed.returncode != 0
-    resumed = _train_lm(run, "--fileroot", root, *lease, *args)
-    _ok(resumed, run)
-    trial = f"{root}/checkpoints/u/exp/t"
-    assert f"RecoverCallback: resumed from {trial}/default/recover_checkpoint/" in resumed.stderr
-    assert rank_losses(run, ranks) == rank_losses(reference, ranks)
-
-    local = sorted((reference / "checkpoints/u/exp/t/default").glob("epoch*"), key=lambda p: parse_export_name(p.name))
-    assert local
-    report, = inspect_path(trial)
-    assert report["valid"], report["errors"]
-    assert [e["name"] for e in report["exports"]] == [p.name for p in local]
-    for folder in local:
-        got = download_export(f"{trial}/default/{folder.name}", tmp_path / "download" / folder.name)
-        assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in folder.iterdir())
-        for file in folder.iterdir():
-            assert (got / file.name).read_bytes() == file.read_bytes(), (folder.name, file.name)
-    newest = tmp_path / "download" / local[-1].name
-    assert AutoModelForCausalLM.from_pretrained(newest).config.num_hidden_layers == 2
-    assert AutoTokenizer.from_pretrained(newest)("1+2=3")["input_ids"]
-    keys = store.objects(f"{trial}/recover_info") + store.objects(f"{trial}/default/recover_checkpoint")
-    assert len({k.split("/")[-2] for k in keys}) == 1, keys
-    assert not any(p.name.startswith(f"{store.scheme}:") for p in [*REPO.iterdir(), *run.iterdir()])
+    sigkill_resume_on_store(store.new_root(), lambda uri: [f"{store.scheme}://{k}" for k in store.objects(uri)],
+                            reference, tmp_path, ranks, args)
 
 
 def _train(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
