@@ -201,35 +201,6 @@ def test_an_upload_failing_mid_save_leaves_the_previous_generation_and_the_rerun
     assert len({k.split("/")[-2] for k in s3_objects(s3_server, trial)}) == 1
 
 
-@pytest.mark.parametrize("point", ["objectstore.before_marker", "objectstore.after_marker",
-                                   "objectstore.marker_deleted"])
-def test_a_crash_at_each_commit_point_leaves_one_committed_generation_to_resume(s3_server, s3_root, monkeypatch,
-                                                                                tokenizer, point) -> None:
-    """The commit of the second recover save stops at ``point`` (before its marker, right after
-    it, after the older marker was deleted): the newest committed generation loads (the old one,
-    or the new one), and the next run's commit leaves exactly one generation."""
-    from conftest import LMModule, make_trainer, tiny_llama, token_loader
-
-    from areal_lightning import RecoverCallback
-    from areal_lightning._fault import reset_fault_counts
-
-    def fit(steps: int) -> RecoverCallback:
-        recover = RecoverCallback(fileroot=s3_root, experiment_name="e", trial_name="t", user="u", freq_steps=2,
-                                  io_mode="sync")
-        make_trainer([recover], max_steps=steps).fit(LMModule(tiny_llama(), tokenizer), token_loader())
-        return recover
-
-    monkeypatch.setenv("AREAL_LIGHTNING_FAULT", f"{point}:raise@2")
-    reset_fault_counts()
-    with pytest.raises(Exception, match="InjectedFault"):
-        fit(6)
-    monkeypatch.delenv("AREAL_LIGHTNING_FAULT")
-    trial = f"{s3_root}/checkpoints/u/e/t"
-    newest = fit(8).resumed_from  # resumes from the newest committed generation, then commits steps 6, 8
-    assert newest is not None and newest.global_step == (1 if point == "objectstore.before_marker" else 3)
-    assert len({k.split("/")[-2] for k in s3_objects(s3_server, trial)}) == 1
-
-
 # -- setup errors ---------------------------------------------------------------------------
 
 

@@ -100,15 +100,22 @@ def test_an_exception_in_the_middle_of_an_upload_keeps_the_previous_checkpoint(s
     io.teardown()
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
 @pytest.mark.parametrize("point", ["objectstore.before_marker", "objectstore.after_marker",
                                    "objectstore.marker_deleted"])
-def test_a_crash_at_each_commit_point_leaves_one_committed_generation_to_resume(store, monkeypatch, tokenizer,
-                                                                                point) -> None:
+def test_a_crash_at_each_commit_point_leaves_one_committed_generation_to_resume(request, monkeypatch, tokenizer,
+                                                                                point, scheme) -> None:
+    """The commit of the second recover save stops at ``point`` (before its marker, right after
+    it, after the older marker was deleted), on each of the three stores: the newest committed
+    generation loads (the old one, or the new one), and the next run's commit leaves exactly one."""
     from conftest import LMModule, make_trainer, tiny_llama, token_loader
 
     from areal_lightning import RecoverCallback
     from areal_lightning._fault import reset_fault_counts
+    from tests.harness.stores import Store
 
+    request.getfixturevalue(f"{scheme}_server")
+    store = Store(scheme)
     root = store.new_root()
 
     def fit(steps: int) -> RecoverCallback:
