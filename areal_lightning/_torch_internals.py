@@ -247,8 +247,8 @@ def swap_class(obj: Any, cls: type) -> None:
 
 def clear_cuda_error() -> int:
     """Reset the CUDA runtime's last error after a failed call whose error was handled
-    (``cudaGetLastError`` of the ``libcudart`` this process loaded); returns it (0: none, or
-    no CUDA runtime is loaded)."""
+    (``cudaGetLastError`` of every ``libcudart`` this process loaded: torch's among them, which
+    one is not known by name); returns the first error found (0: none, or no CUDA runtime)."""
     import ctypes
 
     try:
@@ -256,9 +256,11 @@ def clear_cuda_error() -> int:
             paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
     except OSError:
         return 0
+    found = 0
     for path in sorted(p for p in paths if p.startswith("/")):
         try:
-            return int(ctypes.CDLL(path).cudaGetLastError())
+            error = int(ctypes.CDLL(path).cudaGetLastError())
         except (OSError, AttributeError):
             continue
-    return 0
+        found = found or error
+    return found

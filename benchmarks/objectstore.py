@@ -233,8 +233,13 @@ def main(argv: list[str] | None = None) -> None:
         proc = None
         try:
             if store == "s3" and args.endpoint is not None:
+                import boto3
+
                 os.environ["AWS_ENDPOINT_URL"] = args.endpoint
-                root, servers[store] = f"s3://{args.bucket}/bench", args.endpoint
+                bucket = args.bucket or f"bench-{uuid.uuid4().hex[:8]}"
+                if args.bucket is None:
+                    boto3.client("s3", endpoint_url=args.endpoint).create_bucket(Bucket=bucket)
+                root, servers[store] = f"s3://{bucket}/bench", args.endpoint
             else:
                 proc, root = _server(store, workdir)
                 servers[store] = {"s3": "moto", "gs": "fake-gcs-server", "az": "Azurite"}[store]

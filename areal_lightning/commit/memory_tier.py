@@ -155,6 +155,15 @@ def _join(pending: dict[int, tuple[int, Future]]) -> None:
     pending.clear()
 
 
+def _failure_of(wait: Callable[[], None]) -> BaseException | None:
+    """What ``wait()`` raised (``None``: it returned)."""
+    try:
+        wait()
+    except BaseException as exc:  # noqa: BLE001 - handed to a collective that raises it on every rank
+        return exc
+    return None
+
+
 def _existing(path: Path) -> Path:
     """``path`` or its nearest existing parent."""
     while not path.exists() and path != path.parent:
@@ -506,12 +515,14 @@ class MemoryTier:
 
         def job() -> None:
             try:
-                sealed()
+                error = _failure_of(sealed)  # a slot not sealed: the peers still exchange (none waits), then raise
                 assert self._peer is not None
-                self._peer.copy(self.slot_folder(slot), serial, step)
+                self._peer.copy(self.slot_folder(slot) if error is None else None, serial, step)
                 # Every rank's peer holds this step: each rank keeps its own slot of it until a
                 # newer step is so held (a lost node's ranks and the others then share a step).
                 dist.barrier(group=self._peer.group)
+                if error is not None:
+                    raise error
                 self._replicated, self._peer.replicated_step = slot, step
             except BaseException as exc:  # noqa: BLE001 - raised by the next write / wait
                 self._failure = exc
@@ -543,9 +554,9 @@ class MemoryTier:
 
         def job() -> None:
             try:
-                sealed()
-                start = time.perf_counter()
-                written = persist_slot(self.slot_folder(slot), out, ranks, then, storage_options)
+                start = time.perf_counter()  # a slot not sealed: a failure of persist's first agreement (every rank's)
+                written = persist_slot(self.slot_folder(slot), out, ranks, then, storage_options,
+                                       error=_failure_of(sealed))
                 log.info("RecoverCallback: rank %d copied %.1f MB of its memory-tier slot %d into the shared tier's "
                          "%s in %.2fs", self.rank, written.nbytes / 1e6, slot, out, time.perf_counter() - start)
             except BaseException as exc:  # noqa: BLE001 - raised by wait_persist

@@ -102,12 +102,17 @@ class PeerCopy:
         self.replicated_step: int | None = None
         """The newest step of this rank's slots the peer holds."""
 
-    def copy(self, slot: Path, serial: int, step: int) -> None:
+    def copy(self, slot: Path | None, serial: int, step: int) -> None:
         """Send this rank's sealed ``slot`` to the peer and receive the source's of the same step
-        (fault point ``memory.mid_replica``: the slot sent, before the source's is written)."""
-        received = _exchange(pickle.dumps(_files(slot)), self.peer, self.source, self.group)
+        (fault point ``memory.mid_replica``: the slot sent, before the source's is written).
+        ``slot`` ``None``: this rank's slot of the step could not be sealed; the exchange still
+        happens (the peer is not left waiting) and the peer keeps nothing of it."""
+        received = _exchange(pickle.dumps(_files(slot) if slot is not None else None), self.peer, self.source,
+                             self.group)
         fault_point("memory.mid_replica")
         files = pickle.loads(received or b"")
+        if files is None:  # the source's slot of this step was not sealed
+            return
         _write(replica_folder(self.tier, self.source, serial), files)
         self.replicated_step = step
 

@@ -157,6 +157,7 @@ class RecoverSession:
         self.last_durable: float | None = None  # wall clock of the last durable recover checkpoint
         self.shared_step: int | None = None  # global step of the newest shared save started or resumed from
         self._timer: SaveTimer | None = None  # the timing of the last save
+        self._step_hooks: dict[int, Any] = {}  # optimizer id -> its step pre-hook waiting for the memory tier
         self._patch = Patch()
         self._checked_loadable = False
         self._waiter = False
@@ -228,6 +229,9 @@ class RecoverSession:
             remove_warning_filter(self._warning_filter)
         self._warning_filter = None
         self.state.tracker.untrack()
+        for handle in self._step_hooks.values():
+            handle.remove()
+        self._step_hooks = {}
         if self.memory is not None:
             self.memory.close()  # the slots stay: a rerun resumes from them
         if not self._trainer_io and not self._io_closed:
@@ -486,7 +490,7 @@ class RecoverSession:
         # 3. The memory tier: this rank's slot (training waits for the copy; the slot is sealed
         #    in the background).
         if tier is not None:
-            self._write_memory(tier, checkpoint, info, steps)
+            self._write_memory(tier, checkpoint, info, steps, point)
         if not shared:
             return
         # 4. Write every rank's shard into the generation's folder; rank 0 commits it with its
@@ -529,15 +533,36 @@ class RecoverSession:
         out = target.tmp if isinstance(target.tmp, str) else Path(target.tmp)
         tier.persist(out, self.ranks, target.finalize if lead else None, self.io.engine.storage_options)
 
-    def _write_memory(self, tier: MemoryTier, checkpoint: dict[str, Any], info: dict[str, Any], steps: int) -> None:
-        """This rank's memory-tier slot of the checkpoint; a failure on any rank is raised on every rank."""
-        error: BaseException | None = None
+    def _write_memory(self, tier: MemoryTier, checkpoint: dict[str, Any], info: dict[str, Any], steps: int,
+                      point: SavePoint) -> None:
+        """This rank's memory-tier slot of the checkpoint; a failure on any rank is raised on every rank.
+        On CUDA, every rank first agrees that its previous slot was sealed (its device copy
+        landed, was checksummed and sealed in the background): no rank unseals an older slot
+        while another rank lacks the newer step. Parameters and optimizer states are copied
+        during the next step only at a step's save point (an epoch's end is where callbacks such
+        as stochastic weight averaging rewrite the weights: the training stream waits for the
+        whole copy there)."""
+        multi = self.trainer.world_size > 1
+        if tier.pinned is not None:  # the device path: the previous step's background seal
+            error: BaseException | None = None
+            try:
+                tier.wait_sealed()
+            except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+                error = exc
+            if multi:
+                self.ranks.agree(error, f"memory tier: the slot before global step {steps} sealed")
+            elif error is not None:
+                raise error
+        error = None
         try:
+            late = self._changed_by_optimizers() if point is SavePoint.STEP_END else None
             tier.write(checkpoint, global_step=steps, world_size=self.trainer.world_size, lineage=self.shared_step,
-                       info=info, late=self._changed_by_optimizers())
+                       info=info, late=late)
+            if tier.pinned is not None:
+                self._wait_before_optimizer_steps(tier)
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
-        if self.trainer.world_size > 1:
+        if multi:
             self.ranks.agree(error, f"memory tier slot of global step {steps}")
         elif error is not None:
             raise error
@@ -549,11 +574,12 @@ class RecoverSession:
         self.telemetry.note(steps, metrics)
 
     def _changed_by_optimizers(self) -> Callable[[torch.Tensor], bool]:
-        """Whether a tensor of the checkpoint is a parameter or an optimizer state on the GPU
-        (by storage): the memory tier's device copy of those may still run until the next
-        optimizer step (:meth:`wait_for_staging`); every other tensor (buffers such as
-        BatchNorm's statistics, which the next forward changes) is copied before the next
-        step's kernels run."""
+        """Whether a tensor of the checkpoint is a parameter some optimizer steps, or an
+        optimizer state, on the GPU (by storage): the memory tier's device copy of those may
+        still run until the next optimizer step (:meth:`wait_for_staging`, and each optimizer's
+        step pre-hook); every other tensor (buffers such as BatchNorm's statistics, which the next
+        forward changes; parameters no optimizer holds, e.g. a momentum encoder's) is copied
+        before the next step's kernels run."""
         storages: set[int] | None = None
 
         def address(tensor: Any) -> int | None:
@@ -563,13 +589,24 @@ class RecoverSession:
         def late(tensor: torch.Tensor) -> bool:
             nonlocal storages
             if storages is None:
-                tensors = list(self.trainer.lightning_module.parameters())
+                tensors = [p for optimizer in self.trainer.optimizers for group in optimizer.param_groups
+                           for p in group["params"] if p.requires_grad]
                 tensors += [value for optimizer in self.trainer.optimizers for state in optimizer.state.values()
                             for value in state.values() if isinstance(value, torch.Tensor)]
                 storages = {a for t in tensors if (a := address(t)) is not None}
             return address(tensor) in storages
 
         return late
+
+    def _wait_before_optimizer_steps(self, tier: MemoryTier) -> None:
+        """Each optimizer of the run waits for the memory tier's device copy before it steps
+        (a step pre-hook: also where a manual-optimisation step bypasses Lightning's hooks)."""
+        hooked = self._step_hooks
+        for optimizer in self.trainer.optimizers:
+            inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's torch optimizer
+            if id(inner) not in hooked and hasattr(inner, "register_step_pre_hook"):
+                hooked[id(inner)] = inner.register_step_pre_hook(
+                    lambda *_: tier.wait_sealed(raise_failure=False))  # a failure: raised on every rank at the next save
 
     def _committed(self, timer: SaveTimer) -> Callable[[Any], None]:
         def committed(written: Any) -> None:  # rank 0, after the commit (in the background when async)
@@ -606,9 +643,11 @@ class RecoverSession:
                 self._timer.waited(time.perf_counter() - start)
 
     def wait(self) -> None:
-        """Until the last save is durable and published; raises its failure (rank-local)."""
+        """Until the last save is durable and published (and the memory tier's last slot
+        sealed); raises its failure (rank-local)."""
         self.io.engine.wait()
         if self.memory is not None:
+            self.memory.wait_sealed()
             self.memory.wait_persist()
 
     def wait_all(self) -> None:

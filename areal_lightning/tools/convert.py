@@ -113,10 +113,11 @@ def _export_files(source: _Source, name: str) -> Path | None:
     fs = filesystem(uri)
     folder = Path(tempfile.mkdtemp(prefix="areal-convert-hf-files-"))
     atexit.register(shutil.rmtree, folder, True)
-    for remote in fs.ls(strip(fs, uri), detail=False):
-        base = remote.rstrip("/").rsplit("/", 1)[-1]
-        if base != MARKER and "safetensors" not in base:  # config, generation config, tokenizer files
-            fs.get_file(remote, str(folder / base))
+    for entry in fs.ls(strip(fs, uri), detail=True, refresh=True):
+        base = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        weights = "safetensors" in base or base.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack"))
+        if entry.get("type") == "file" and base != MARKER and not weights:  # config, generation config, tokenizer
+            fs.get_file(entry["name"], str(folder / base))
     log.info("convert: %s records no HF model files (an object store): the config and tokenizer of its export %s",
              source.trial_dir, uri)
     return folder

@@ -155,14 +155,14 @@ def _append(slot: Path, dest: Any, items: list[tuple[str, int, int]]) -> int:
     return total
 
 
-def _gathered(slot: Path, ranks: CheckpointGroup, what: str, *,
-              background: bool = False) -> tuple[int, list[Metadata], Plan]:
-    """Collective: this rank, every rank's slot ``.metadata`` (a failure to read one is raised on
-    every rank) and their :func:`plan`."""
-    error: BaseException | None = None
+def _gathered(slot: Path, ranks: CheckpointGroup, what: str, *, background: bool = False,
+              error: BaseException | None = None) -> tuple[int, list[Metadata], Plan]:
+    """Collective: this rank, every rank's slot ``.metadata`` (a failure to read one, or
+    ``error``, is raised on every rank) and their :func:`plan`."""
     mine: Metadata | None = None
     try:
-        mine = reader_of(slot).read_metadata()
+        if error is None:
+            mine = reader_of(slot).read_metadata()
     except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
         error = exc
     metas = ranks.agree(error, what, mine, background=background)
@@ -170,13 +170,15 @@ def _gathered(slot: Path, ranks: CheckpointGroup, what: str, *,
 
 
 def persist(slot: Path, out: Path | str, ranks: CheckpointGroup, then: Callable[[Written], None] | None,
-            storage_options: Mapping[str, Any] | None = None) -> Written:
+            storage_options: Mapping[str, Any] | None = None, error: BaseException | None = None) -> Written:
     """Collective (every rank, on the background group of ``ranks``): write the shared checkpoint
     folder ``out`` (existing, empty; or an object-store prefix, a URI, with ``storage_options``)
     from every rank's sealed ``slot``; rank 0 writes ``.metadata`` and runs ``then(written)``. A
     failure on any rank is raised on every rank before anything is committed (fault point
-    ``memory.mid_persist``: this rank's data file written, before the agreement)."""
-    rank, metas, merged = _gathered(slot, ranks, f"persisting the memory tier's slot {slot}", background=True)
+    ``memory.mid_persist``: this rank's data file written, before the agreement); ``error``: this
+    rank's slot could not be sealed (raised on every rank at the first agreement)."""
+    rank, metas, merged = _gathered(slot, ranks, f"persisting the memory tier's slot {slot}", background=True,
+                                    error=error)
     error: BaseException | None = None
     written = Written()
     name = f"__{rank}_0{DATA_SUFFIX}"

@@ -118,19 +118,17 @@ def _run_shares(function: Callable[..., None], shares: list[list[Any]], pool: Ex
 class DeviceCopy:
     """The device-to-host copies of one save into a slot, queued on the copy stream
     (:meth:`SlotFile.copy` on CUDA). :meth:`wait` returns once they landed and every copied
-    item's CRC32C is on its record; until then the source tensors are kept alive."""
+    item's CRC32C is on its record."""
 
-    def __init__(self, done: Any, items: list[Any], sources: list[torch.Tensor], pinned: bool) -> None:
+    def __init__(self, done: Any, items: list[Any], pinned: bool) -> None:
         self._done = done
         self._items = items
-        self._sources = sources
         self.pinned = pinned
         """Whether the copies went to page-locked memory (else they ran synchronously)."""
 
     def wait(self, pool: Executor | None = None, threads: int = 1) -> None:
         """Until the copies landed; then the checksums, split over ``threads`` (on ``pool``)."""
         self._done.synchronize()
-        self._sources = []
         _run_shares(_checksum_share, _shares(self._items, threads if pool is not None else 1), pool)
 
 
@@ -191,7 +189,11 @@ class SlotFile:
         if device:
             pending = self._copy_device(flat, device, stream, late or (lambda tensor: False))
             host = [entry for entry in self._items if not flat[entry[0].key].is_cuda]
-            _run_shares(_copy_share, _shares(host, threads if pool is not None else 1), pool, flat, False)
+            try:
+                _run_shares(_copy_share, _shares(host, threads if pool is not None else 1), pool, flat, False)
+            except BaseException:
+                pending.wait()  # the device copies end before the failure leaves the slot
+                raise
         else:
             pending = None
             _run_shares(_copy_share, self._split(threads if pool is not None else 1), pool, flat, True)
@@ -202,26 +204,43 @@ class SlotFile:
     def _copy_device(self, flat: Mapping[str, Any], device: list[Any], stream: Any,
                      late: Callable[[torch.Tensor], bool]) -> DeviceCopy:
         """Queue the copies of the CUDA tensors ``device`` (entries of the layout) on ``stream``
-        (see :meth:`copy`); the mapping is page-locked at the first one."""
+        (see :meth:`copy`); the mapping is page-locked at the first one. A non-contiguous tensor
+        is copied in the early part (its contiguous copy, made on the training stream, is
+        released at once: ``record_stream`` keeps the allocator from reusing it before the copy
+        stream read it). A failure after copies were queued waits for them before it propagates
+        (the slot's pages stay mapped and registered while a copy may write them)."""
         if self._pinned is None:
             self._pinned = register_host(self.data.data_ptr(), self.nbytes)
-        sources = {entry[0].key: flat[entry[0].key].detach().reshape(-1).view(torch.uint8) for entry in device}
-        early = [entry for entry in device if not late(flat[entry[0].key])]
-        rest = [entry for entry in device if late(flat[entry[0].key])]
+        early, rest = [], []
+        for entry in device:
+            tensor = flat[entry[0].key]
+            (rest if tensor.is_contiguous() and late(tensor) else early).append(entry)
         current = torch.cuda.current_stream()
         stream.wait_stream(current)  # the state as training left it at the save point
-        with torch.cuda.stream(stream):
-            for item, view, _address, _mapped in early:
-                view.copy_(sources[item.key], non_blocking=self._pinned)
-            first = torch.cuda.Event()
-            first.record(stream)
-            fault_point("memory.mid_copy")
-            for item, view, _address, _mapped in rest:
-                view.copy_(sources[item.key], non_blocking=self._pinned)
-            done = torch.cuda.Event()
-            done.record(stream)
+        try:
+            with torch.cuda.stream(stream):
+                for part in (early, rest):
+                    for item, view, _address, _mapped in part:
+                        tensor = flat[item.key].detach()
+                        if tensor.is_contiguous():
+                            source = tensor.reshape(-1).view(torch.uint8)  # a view: no kernel
+                        else:
+                            with torch.cuda.stream(current):  # its contiguous copy, on the training stream
+                                source = tensor.reshape(-1).view(torch.uint8)
+                            stream.wait_stream(current)
+                        view.copy_(source, non_blocking=bool(self._pinned))
+                        source.record_stream(stream)
+                    if part is early:
+                        first = torch.cuda.Event()
+                        first.record(stream)
+                        fault_point("memory.mid_copy")
+                done = torch.cuda.Event()
+                done.record(stream)
+        except BaseException:
+            stream.synchronize()
+            raise
         current.wait_event(first)  # the next step's kernels run after the early part landed
-        return DeviceCopy(done, device, list(sources.values()), bool(self._pinned))
+        return DeviceCopy(done, device, bool(self._pinned))
 
     def _split(self, k: int) -> list[list[Any]]:
         if self._shares is None or len(self._shares) != min(k, len(self._items)):

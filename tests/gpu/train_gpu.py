@@ -6,7 +6,7 @@ own hook, ``--precision`` as Lightning's.
 
 Writes ``losses.rank{r}.jsonl`` (one line per step, float.hex) and ``report.rank{r}.json``
 (backend, whether the async stager's host buffers are pinned, whether the memory tier's slots
-are page-locked, its per-step blocked times) into --root.
+are page-locked, the time each save point held training) into --root.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Net(pl.LightningModule):
 
 class Report(pl.Callback):
     def __init__(self) -> None:
-        self.memory: dict[str, object] = {"pinned": None, "copy_s": [], "wait_s": []}
+        self.memory: dict[str, object] = {"pinned": None, "copy_s": []}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         recover = next(cb for cb in trainer.callbacks if isinstance(cb, RecoverCallback))
@@ -62,12 +62,6 @@ class Report(pl.Callback):
         if tier is not None and tier.last_copy_s:  # the previous step's save point (this one's is after the hooks)
             self.memory["pinned"] = tier.pinned
             self.memory["copy_s"].append(tier.last_copy_s)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        recover = next(cb for cb in trainer.callbacks if isinstance(cb, RecoverCallback))
-        tier = recover._session.memory if recover._session is not None else None
-        if tier is not None and tier.pinned is not None:  # after RecoverCallback's hook: its wait for the device copy
-            self.memory["wait_s"].append(tier.last_wait_s)
 
     def on_train_end(self, trainer, pl_module) -> None:
         io = next(cb for cb in trainer.callbacks if isinstance(cb, RecoverCallback)).checkpoint_io  # the recover IO
