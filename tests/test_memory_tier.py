@@ -365,3 +365,34 @@ def test_a_lost_node_gets_its_ranks_state_back_from_the_peer_copies(tmp_path, tm
         assert steps == ["2"] * 4, logs[-4000:]
     for rank in range(4):
         assert step_losses(tmp_path / f"losses.rank{rank}") == step_losses(f"{ref_root}/losses.rank{rank}")
+
+
+def test_an_optimizer_step_waits_for_the_slot_sealed_in_the_background(tmp_path) -> None:
+    """The CUDA path's wait, run on CPU: with a seal still pending in the background, a plain
+    torch optimizer step (as a manual-optimisation step that bypasses Lightning's hooks) waits
+    for it through the step pre-hook the session registers, then steps."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from areal_lightning.commit.memory_tier import MemoryTier
+    from areal_lightning.config import MemoryConfig
+    from areal_lightning.lightning.recover_session import RecoverSession
+
+    tier = MemoryTier(MemoryConfig(enabled=True).validate(), tmp_path / "tier", 0)
+    released = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        tier._sealing = pool.submit(released.wait, 30)  # what write() leaves while the device copy lands
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        session = object.__new__(RecoverSession)  # only the glue under test: the optimizers and the hooks
+        session.trainer, session._step_hooks = SimpleNamespace(optimizers=[optimizer]), {}
+        session._wait_before_optimizer_steps(tier)
+        session._wait_before_optimizer_steps(tier)  # once per optimizer
+        assert len(optimizer._optimizer_step_pre_hooks) == 1
+        before = model.weight.detach().clone()
+        model(torch.ones(1, 2)).sum().backward()
+        threading.Timer(0.3, released.set).start()
+        optimizer.step()
+    assert tier._sealing is None and tier.last_wait_s >= 0.2  # it waited for the seal, then stepped
+    assert not torch.equal(model.weight, before)

@@ -601,12 +601,14 @@ class RecoverSession:
     def _wait_before_optimizer_steps(self, tier: MemoryTier) -> None:
         """Each optimizer of the run waits for the memory tier's device copy before it steps
         (a step pre-hook: also where a manual-optimisation step bypasses Lightning's hooks)."""
+        def wait(_optimizer: Any, _args: Any, _kwargs: Any) -> None:  # a pre-hook returns None (or new arguments)
+            tier.wait_sealed(raise_failure=False)  # a failure: raised on every rank at the next save
+
         hooked = self._step_hooks
         for optimizer in self.trainer.optimizers:
             inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's torch optimizer
             if id(inner) not in hooked and hasattr(inner, "register_step_pre_hook"):
-                hooked[id(inner)] = inner.register_step_pre_hook(
-                    lambda *_: tier.wait_sealed(raise_failure=False))  # a failure: raised on every rank at the next save
+                hooked[id(inner)] = inner.register_step_pre_hook(wait)
 
     def _committed(self, timer: SaveTimer) -> Callable[[Any], None]:
         def committed(written: Any) -> None:  # rank 0, after the commit (in the background when async)
