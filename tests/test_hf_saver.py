@@ -214,3 +214,38 @@ def test_seconds_trigger_in_a_real_run(tmp_path) -> None:
     make_trainer([Tick(), cb], max_epochs=1).fit(LMModule(tiny_llama()), token_loader(n_batches=7))
     # fires once 1 s has passed since the last save: after steps 3 (1.2 s) and 6 (2.4 s)
     assert export_names(cb) == ["epoch0epochstep2globalstep2", "epoch0epochstep5globalstep5"]
+
+
+def test_an_export_lost_with_the_crash_is_written_again_by_the_resumed_run(tmp_path, tokenizer) -> None:
+    """The run is stopped after the recover save of step 4 recorded the export of step 4, but
+    before that export was in place (an async export still being written when the process was
+    killed: here its folder is deleted): the resumed run writes it again at its start, from the
+    same weights, byte for byte the uninterrupted run's; nothing else is exported twice."""
+    import shutil
+
+    from conftest import Crash, CrashAt, LMModule, make_trainer, tiny_llama, token_loader
+
+    from areal_lightning import HFSaverCallback, RecoverCallback
+
+    def fit(root: Path, crash: int | None = None) -> Path:
+        where = dict(fileroot=root, experiment_name="e", trial_name="t", user="u")
+        callbacks = [HFSaverCallback(**where, freq_steps=4, mode="sync"), RecoverCallback(**where, freq_steps=4)]
+        if crash is not None:
+            callbacks.insert(0, CrashAt(crash))
+        make_trainer(callbacks, max_steps=8).fit(LMModule(tiny_llama(), tokenizer), token_loader())
+        return root / "checkpoints/u/e/t/default"
+
+    reference = fit(tmp_path / "reference")
+    with pytest.raises(Crash):
+        fit(tmp_path / "run", crash=6)
+    models = tmp_path / "run/checkpoints/u/e/t/default"
+    lost = models / "epoch0epochstep3globalstep3"
+    assert lost.is_dir()
+    shutil.rmtree(lost)  # as a SIGKILL leaves an async export that was not yet renamed into place
+    fit(tmp_path / "run")
+    names = sorted(p.name for p in models.glob("epoch*"))
+    assert names == sorted(p.name for p in reference.glob("epoch*")) == ["epoch0epochstep3globalstep3",
+                                                                         "epoch0epochstep7globalstep7"]
+    for name in names:
+        for file in sorted((reference / name).iterdir()):
+            assert (models / name / file.name).read_bytes() == file.read_bytes(), (name, file.name)

@@ -284,11 +284,16 @@ def test_run_with_retries_resumes_a_killed_run_from_the_store(store, tmp_path, t
     run = tmp_path / "run"
     run.mkdir()
     command = [sys.executable, str(SCRIPT), "--root", str(run), "--losses", str(run / "losses.jsonl"), *args,
-               "--fileroot", root, "--lock-lease-s", "2", "--kill-at-step", "5"]
-    proc = subprocess.run([sys.executable, "-m", "areal_lightning", "run", "--retries", "1", "--", *command],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+               "--fileroot", root, "--lock-lease-s", "2"]
+    job = tmp_path / "job.py"  # the first attempt is killed at step 5, the second runs the same command
+    job.write_text("import os, subprocess, sys\n"
+                   "kill = ['--kill-at-step', '5'] if os.environ['AREAL_LIGHTNING_ATTEMPT'] == '1' else []\n"
+                   f"rc = subprocess.call([*{command!r}, *kill])\n"
+                   "os.kill(os.getpid(), -rc) if rc < 0 else sys.exit(rc)\n")  # killed as its child was
+    proc = subprocess.run([sys.executable, "-m", "areal_lightning", "run", "--retries", "1", "--", sys.executable,
+                           str(job)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "attempt 1/2 failed (killed by SIGKILL)" in proc.stderr
+    assert "attempt 1/2 failed (killed by SIGKILL)" in proc.stderr, proc.stderr[-3000:]
     assert "took over the expired lease" in proc.stderr and "RecoverCallback: resumed from" in proc.stderr
     assert step_losses(run / "losses.jsonl") == step_losses(reference / "losses.jsonl")
 

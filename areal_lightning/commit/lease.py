@@ -107,7 +107,7 @@ class ObjectLease:
                 self._cleanup(n + 1)
                 self._thread = threading.Thread(target=self._renew, name="areal-trial-lease", daemon=True)
                 self._thread.start()
-                if seen is not None:
+                if lease is not None:  # a run that ended without releasing it (killed, its node lost)
                     log.info("RecoverCallback: %s: took over the expired lease of %s", self.prefix, lease_holder(lease))
                 return
             mark = (n, float(lease.get("renewed", 0)))  # type: ignore[union-attr]

@@ -22,7 +22,7 @@ from areal_lightning.collective import (
 )
 from areal_lightning.commit.atomic import clean_stale_tmp
 from areal_lightning.commit.retention import keep_newest, keep_newest_remote
-from areal_lightning.commit.upload import clean_uncommitted_exports, folder_bytes_remote
+from areal_lightning.commit.upload import clean_uncommitted_exports, committed_exports, folder_bytes_remote
 from areal_lightning.config import (
     DEFAULT_SHARDED_METHOD,
     ConfigError,
@@ -320,8 +320,31 @@ class HFSaverCallback(*bases("callbacks.Callback")):  # type: ignore[misc]
             exporter.close(agree=agree, raise_failure=raise_failure)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """After a resume at an epoch boundary Lightning skips ``on_train_epoch_start``."""
+        """After a resume at an epoch boundary Lightning skips ``on_train_epoch_start``; a
+        resumed run exports again the export of its own step that the crash lost."""
         self.position.train_started(trainer)
+        self._export_lost_at_resume(trainer, pl_module)
+
+    def _export_lost_at_resume(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """The checkpoint a run resumed from records an export of that very step (its trigger
+        fired, so it will not fire again) which is not there: the run was killed while that
+        export, written in the background, was not yet in place. Export it now, from the
+        weights of that step (the ones just restored), under its name. Rank 0 decides; every
+        rank takes part in the export."""
+        steps, last = trainer.global_step, self.last_export
+        lost = False
+        if steps > 0 and last is not None and trainer.is_global_zero:
+            name = self.layout.export_dir(self.name, trainer.current_epoch, self.position.epoch_step(steps), steps - 1)
+            if str(name) == str(last):
+                if is_remote(str(last)):
+                    lost = str(last) not in {uri for _, uri in committed_exports(str(self.model_dir),
+                                                                                 self.storage_options)}
+                else:
+                    lost = not Path(last).is_dir()
+        if self.ranks.agree(None, "HF export lost at the resumed step", lost)[0]:
+            log.warning("HFSaverCallback: the export %s of the step this run resumed from is missing (the run was "
+                        "stopped while it was written): exporting it again", last)
+            self.save(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.position.epoch_started(trainer)

@@ -19,8 +19,7 @@ pl = importlib.import_module(os.environ.get("AREAL_NAMESPACE", "lightning.pytorc
 
 class KillAt(pl.Callback):
     """SIGKILL of this process at the end of the batch where ``global_step == step`` (before that
-    step's saves: put it first). Under ``torchrun --max-restarts`` and ``areal-lightning run --retries``
-    only the first attempt is killed.
+    step's saves: put it first). Under ``torchrun --max-restarts`` only the first attempt is killed.
     With ``settle`` (a ``RecoverCallback``), every rank first waits until the saves already in
     flight are durable (then a barrier), so that which shared checkpoint the rerun finds does not
     depend on the speed of a background copy."""
@@ -29,9 +28,7 @@ class KillAt(pl.Callback):
         self.step, self.settle = step, settle
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
-            os.environ.get("AREAL_LIGHTNING_ATTEMPT", "1") == "1"  # torchrun's / areal-lightning run's first attempt
-        if trainer.global_step == self.step and first:
+        if trainer.global_step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             if self.settle is not None:
                 self.settle.wait()
                 trainer.strategy.barrier()
