@@ -208,12 +208,11 @@ def _moto_process(log_path: Any, env: dict | None = None) -> tuple[Any, str]:
     """moto's S3 server in a child process on 127.0.0.1 (a free port): ``(process, endpoint)``,
     once it accepts connections. A process of its own, so a busy test process never slows
     its replies (an in-process server thread shares the test's GIL)."""
-    import socket
     import subprocess
     import sys
-    import time
 
     from tests.harness.launch import free_port
+    from tests.harness.stores import wait_for_port
 
     port = free_port()
     log = open(log_path, "w")
@@ -221,16 +220,8 @@ def _moto_process(log_path: Any, env: dict | None = None) -> tuple[Any, str]:
                              "-H", "127.0.0.1", "-p", str(port)], env={**os.environ, **(env or {})},
                             stdout=log, stderr=log)
     log.close()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto's server did not start: see {log_path}") from None
-            time.sleep(0.1)
+    wait_for_port(proc, port, "moto's server", log_path)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="session")
@@ -239,16 +230,10 @@ def s3_server(tmp_path_factory) -> Any:
     it for this process and the subprocesses it starts; yields the endpoint URL."""
     pytest.importorskip("s3fs")
     proc, url = _moto_process(tmp_path_factory.mktemp("moto") / "server.log")
-    saved = {k: os.environ.get(k) for k in (*_S3_ENV, "AWS_ENDPOINT_URL")}
-    os.environ.update(_S3_ENV, AWS_ENDPOINT_URL=url)
     try:
-        yield url
+        with _pointed_at({**_S3_ENV, "AWS_ENDPOINT_URL": url}):
+            yield url
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         proc.kill()
         proc.wait()
 

@@ -542,18 +542,13 @@ class RecoverSession:
         during the next step only at a step's save point (an epoch's end is where callbacks such
         as stochastic weight averaging rewrite the weights: the training stream waits for the
         whole copy there)."""
-        multi = self.trainer.world_size > 1
+        error: BaseException | None = None
         if tier.pinned is not None:  # the device path: the previous step's background seal
-            error: BaseException | None = None
             try:
                 tier.wait_sealed()
             except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
                 error = exc
-            if multi:
-                self.ranks.agree(error, f"memory tier: the slot before global step {steps} sealed")
-            elif error is not None:
-                raise error
-        error = None
+            self.ranks.agree(error, f"memory tier: the slot before global step {steps} sealed")  # one rank: raises it
         try:
             late = self._changed_by_optimizers() if point is SavePoint.STEP_END else None
             tier.write(checkpoint, global_step=steps, world_size=self.trainer.world_size, lineage=self.shared_step,
@@ -562,10 +557,7 @@ class RecoverSession:
                 self._wait_before_optimizer_steps(tier)
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
-        if multi:
-            self.ranks.agree(error, f"memory tier slot of global step {steps}")
-        elif error is not None:
-            raise error
+        self.ranks.agree(error, f"memory tier slot of global step {steps}")  # one rank: raises it
         metrics = {"checkpoint/memory/blocked_s": tier.last_copy_s + tier.last_stall_s,
                    "checkpoint/memory/stall_s": tier.last_stall_s}
         lag = tier.replica_lag

@@ -12,7 +12,6 @@ system instance of its own (no listing cache).
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -36,7 +35,9 @@ SMALL_PARTS = {
 """``storage_options`` under which a file above 5 MiB is uploaded in several parts, per store."""
 
 
-def _wait_for_port(proc: subprocess.Popen, port: int, what: str, log: Path) -> None:
+def wait_for_port(proc: subprocess.Popen, port: int, what: str, log: Path) -> None:
+    """Until ``proc`` accepts connections on 127.0.0.1:``port`` (2 minutes at most; it is killed
+    and an error naming ``what`` and its ``log`` raised when it exits or does not)."""
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -67,7 +68,7 @@ def start_fake_gcs(workdir: Path) -> tuple[subprocess.Popen, str]:
         proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
                                  "-port", str(port), "-external-url", f"http://127.0.0.1:{port}", "-log-level", "warn"],
                                 stdout=out, stderr=out)
-    _wait_for_port(proc, port, "fake-gcs-server", log)
+    wait_for_port(proc, port, "fake-gcs-server", log)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -92,7 +93,7 @@ def start_azurite(workdir: Path) -> tuple[subprocess.Popen, str]:
         proc = subprocess.Popen([azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
                                  str(workdir / "data"), "--skipApiVersionCheck", "--loose", "--silent"],
                                 stdout=out, stderr=out)
-    _wait_for_port(proc, port, "Azurite", log)
+    wait_for_port(proc, port, "Azurite", log)
     endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
     return proc, (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
                   f"BlobEndpoint={endpoint};")
