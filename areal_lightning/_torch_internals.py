@@ -1,5 +1,5 @@
-"""The only module that touches the private names of torch (2.13), transformers, peft and the
-standard library (Lightning's are in :mod:`areal_lightning.lightning._internals`).
+"""The only module that touches the private names of torch (2.13), transformers, peft, the Azure
+storage SDK and the standard library (Lightning's are in :mod:`areal_lightning.lightning._internals`).
 
 Each function or constant below names the private it reads, builds or replaces; every one is
 pinned by ``tests/test_torch_internals.py`` against the installed torch, so a torch upgrade
@@ -52,6 +52,11 @@ Why each is needed (public torch has no equivalent):
   binding of ``cudaHostRegister`` returns the error without clearing it and binds no
   ``cudaGetLastError``, so :func:`clear_cuda_error` calls the one of the CUDA runtime torch
   loaded (found among the process's mapped libraries).
+* the Azure storage SDK's retries (adlfs' ``BlobServiceClient``, ``azure-storage-blob``): its
+  retry policy takes a per-retry hook only per call (adlfs passes none) and nothing public
+  reports how many requests it retried; :func:`count_azure_retries` wraps ``increment`` of the
+  client's policy instance, ``service_client._config.retry_policy`` (the one instance every
+  container and blob client of it shares), to count the retries it grants.
 * the exact data position: torch's DataLoader iterators read indices from
   ``DataLoader._index_sampler`` and are built by ``DataLoader._get_iterator``; a tracked loader
   overrides both in a subclass made with ``type()`` and takes it by a ``__class__`` swap
@@ -71,15 +76,16 @@ __all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "
            "send_changed_plan", "drop_plan_cache",
            "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
            "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log", "save_flat_state_dict", "load_flat_state_dict",
-           "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter", "clear_cuda_error"]
+           "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter", "clear_cuda_error",
+           "count_azure_retries"]
 
 PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_cached_all_plans",
                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan", "_cached_plans_key", "_pending_local_plan", "_shard",
                  "_init_from_local_shards_and_global_metadata", "_process_group", "_utils", "_orig_mod",
                  "_index_sampler", "_get_iterator", "_dcp_logger", "_save_state_dict", "_load_state_dict",
                  "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_weight_conversions",
-                 "_hf_peft_config_loaded", "_filters_mutated")
-"""The private names of torch, transformers, peft and the standard library used here (and nowhere
+                 "_hf_peft_config_loaded", "_filters_mutated", "_config")
+"""The private names of torch, transformers, peft, the Azure SDK and the standard library used here (and nowhere
 else in the package)."""
 
 DATA_SUFFIX = ".distcp"
@@ -264,3 +270,19 @@ def clear_cuda_error() -> int:
             continue
         found = found or error
     return found
+
+
+def count_azure_retries(fs: Any, on_retry: Callable[[], None]) -> None:
+    """Call ``on_retry()`` each time the Azure SDK under adlfs' file system ``fs`` retries a
+    request (its retry policy's ``increment`` granting another attempt: throttling, 5xx,
+    timeouts, connection errors; an ``increment`` that exhausts the retries is not counted)."""
+    policy = fs.service_client._config.retry_policy
+    increment = policy.increment
+
+    def counted(settings: Any, *args: Any, **kwargs: Any) -> bool:
+        again = increment(settings, *args, **kwargs)
+        if again:
+            on_retry()
+        return again
+
+    policy.increment = counted

@@ -154,9 +154,15 @@ def filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> An
         if fs is None:
             from fsspec.core import url_to_fs
 
+            if package == "gcsfs":  # the session's own trace of every request's outcome
+                session = dict(options.get("session_kwargs") or {})
+                session["trace_configs"] = [*session.get("trace_configs", ()), _gcs_trace()]
+                options["session_kwargs"] = session
             fs, _ = url_to_fs(uri, **options)
             if package == "s3fs":
-                _count_retries(fs)
+                _count_s3_retries(fs)
+            elif package == "adlfs":
+                _count_azure_retries(fs)
             _FS[key] = fs
     return fs
 
@@ -164,26 +170,66 @@ def filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> An
 _RETRIED = [0]
 """Requests of this process that the object store's client retried (throttling, 5xx, resets)."""
 
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 501, 502, 503, 504})
+"""The HTTP statuses gcsfs retries (``gcsfs.retry.errs``)."""
+
 
 def retries() -> int:
-    """How many requests to object stores this process had to retry so far (S3: botocore's
-    ``RetryAttempts`` of every response; telemetry's ``checkpoint/*/retries``)."""
+    """How many requests to object stores this process had to retry so far (telemetry's
+    ``checkpoint/*/retries``): S3, botocore's ``RetryAttempts`` of every response; GCS, the
+    requests gcsfs' session saw fail transiently (a status gcsfs retries, or a connection
+    error), each retried with backoff unless its retries ran out; Azure, the retries the
+    SDK's retry policy granted."""
     return _RETRIED[0]
 
 
-def _count_retries(fs: Any) -> None:
+def _retried(count: int = 1) -> None:
+    with _FS_LOCK:
+        _RETRIED[0] += count
+    log.info("object store: %d request(s) retried after a transient error", count)
+
+
+def _count_s3_retries(fs: Any) -> None:
     """Count the retries of every S3 call made through ``fs`` (botocore's ``after-call`` event)."""
 
     def after_call(parsed: Any = None, **_: Any) -> None:
         attempts = (parsed or {}).get("ResponseMetadata", {}).get("RetryAttempts") or 0
         if attempts:
-            with _FS_LOCK:
-                _RETRIED[0] += attempts
-            log.info("object store: a request succeeded after %d retries (transient errors)", attempts)
+            _retried(attempts)
 
     try:
         fs.connect()  # the client exists from here on; its events carry the retry counts
         fs.s3.meta.events.register("after-call.s3", after_call)
+    except Exception as exc:  # noqa: BLE001 - counting is telemetry; the setup probe reports real failures
+        log.debug("object store: retries will not be counted (%r)", exc)
+
+
+def _gcs_trace() -> Any:
+    """An aiohttp ``TraceConfig`` (gcsfs' ``session_kwargs``) counting each request that failed
+    with a status gcsfs retries or a connection error."""
+    import aiohttp
+
+    trace = aiohttp.TraceConfig()
+
+    async def on_end(session: Any, context: Any, params: Any) -> None:
+        if params.response.status in _TRANSIENT_STATUS:
+            _retried()
+
+    async def on_exception(session: Any, context: Any, params: Any) -> None:
+        if isinstance(params.exception, aiohttp.ClientError):
+            _retried()
+
+    trace.on_request_end.append(on_end)
+    trace.on_request_exception.append(on_exception)
+    return trace
+
+
+def _count_azure_retries(fs: Any) -> None:
+    """Count the retries the Azure SDK's retry policy grants under ``fs``."""
+    from areal_lightning._torch_internals import count_azure_retries
+
+    try:
+        count_azure_retries(fs, _retried)
     except Exception as exc:  # noqa: BLE001 - counting is telemetry; the setup probe reports real failures
         log.debug("object store: retries will not be counted (%r)", exc)
 
@@ -239,16 +285,29 @@ def write_exclusive(uri: str, data: bytes, storage_options: Mapping[str, Any] | 
     """Create the object ``uri`` holding ``data``, only if it does not exist (``FileExistsError``
     if it does), with the store's own conditional create: S3 ``If-None-Match: *``, GCS
     ``ifGenerationMatch=0`` (a one-request upload: gcsfs's ``mode="create"``), Azure Blob
-    ``If-None-Match: *`` (adlfs's ``overwrite=False``). Used for commit markers and leases."""
+    ``If-None-Match: *`` (adlfs's ``overwrite=False``). Used for commit markers and leases.
+
+    A create the store did but whose reply was lost (a timeout, a 503 after the fact) is retried
+    by the client and then refused, the object existing: an object holding exactly ``data`` is
+    taken as this call's own (markers and leases carry what tells writers apart)."""
     fs = filesystem(uri, storage_options)
     scheme = uri_scheme(uri)
-    if SCHEMES[scheme][0] == "gcsfs":
-        fs.pipe_file(strip(fs, uri), data, mode="create")
-    elif SCHEMES[scheme][0] == "adlfs":
-        fs.pipe_file(strip(fs, uri), data, overwrite=False)
-    else:
-        with fs.open(strip(fs, uri), "xb") as f:
-            f.write(data)
+    try:
+        if SCHEMES[scheme][0] == "gcsfs":
+            fs.pipe_file(strip(fs, uri), data, mode="create")
+        elif SCHEMES[scheme][0] == "adlfs":
+            fs.pipe_file(strip(fs, uri), data, overwrite=False)
+        else:
+            with fs.open(strip(fs, uri), "xb") as f:
+                f.write(data)
+    except FileExistsError:
+        try:
+            held = fs.cat_file(strip(fs, uri))
+        except Exception:  # noqa: BLE001 - unreadable: refused, as the store said
+            held = None
+        if held != data:
+            raise
+        log.info("object store: %s was created by this call's own request, retried after its reply was lost", uri)
 
 
 def _uploads(uri: str, storage_options: Mapping[str, Any] | None) -> Any:

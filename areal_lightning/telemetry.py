@@ -9,7 +9,8 @@ Metrics (``kind`` is ``hf`` or ``recover``):
 - recover saves also: ``checkpoint/recover/rank_bytes`` (what global rank 0 wrote itself) and
   ``checkpoint/recover/hash_s`` (seconds its writer threads spent on checksums);
 - on an object store also ``checkpoint/{kind}/retries``: the requests the reporting process
-  had to retry so far (transient errors: throttling, 5xx, connection resets);
+  had to retry so far (transient errors: throttling, 5xx, connection resets; each store's
+  count: :func:`areal_lightning.objectstore.retries`);
 - ``checkpoint/recover/age_s``: seconds since the last durable recover checkpoint (logged
   with the training metrics, at Lightning's ``log_every_n_steps``).
 

@@ -326,6 +326,16 @@ def store(request) -> Any:
     return request.getfixturevalue(f"{request.param}_server")
 
 
+@pytest.fixture(params=["s3", "gs", "az"])
+def every_store(request) -> Any:
+    """Each of the three object stores (``s3://``, ``gs://``, ``az://``), its server started."""
+    if request.param == "s3":
+        from tests.harness.stores import Store
+
+        return Store("s3", {"AWS_ENDPOINT_URL": request.getfixturevalue("s3_server")})
+    return request.getfixturevalue(f"{request.param}_server")
+
+
 @pytest.fixture(scope="session")
 def s3_auth_server(tmp_path_factory) -> Any:
     """A second moto server that checks credentials and IAM policies (a subprocess: moto's
@@ -362,78 +372,12 @@ def s3_auth_server(tmp_path_factory) -> Any:
         proc.wait()
 
 
-class FlakyS3Proxy:
-    """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers the next ``fail``
-    requests matching ``when(method, path)`` with ``503 SlowDown`` (S3's throttling reply)
-    instead of forwarding them: real transient failures on the wire."""
-
-    def __init__(self, upstream: str) -> None:
-        import http.client
-        import http.server
-        import threading
-        import urllib.parse
-
-        self.fail = 0
-        self.failed = 0
-        self.when = lambda method, path: True
-        target = urllib.parse.urlsplit(upstream)
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _handle(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                if proxy.fail > 0 and proxy.when(self.command, self.path):
-                    proxy.fail -= 1
-                    proxy.failed += 1
-                    reply = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
-                             b"<Message>Please reduce your request rate.</Message></Error>")
-                    self.send_response(503)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(reply)))
-                    self.end_headers()
-                    self.wfile.write(reply)
-                    return
-                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = target.netloc
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for key, value in resp.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                # a HEAD reply has no body but the object's length
-                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
-                                 else str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def flaky_s3(s3_server: str) -> Any:
-    """A :class:`FlakyS3Proxy` in front of the test S3 server."""
-    proxy = FlakyS3Proxy(s3_server)
+    """A :class:`~tests.harness.stores.FlakyProxy` in front of the test S3 server."""
+    from tests.harness.stores import FlakyProxy
+
+    proxy = FlakyProxy(s3_server, "s3")
     try:
         yield proxy
     finally:

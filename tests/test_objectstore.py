@@ -3,8 +3,8 @@
 In-process: ``DCPCheckpointIO`` generations and their marker, a flipped byte, an upload failing
 in the middle (also in a writer thread of DCP's, and in a ``RecoverCallback`` run that then
 resumes), a stop at each commit point, HF exports with ``max_keep`` and an interrupted upload,
-throttled requests (a proxy answering ``503 SlowDown``), setup errors (missing bucket, wrong
-credentials). Real processes: both callbacks in their default modes on one process, DDP and
+setup errors (missing bucket, wrong credentials); what every store shares (throttling, the
+lease, a second run refused) is in ``tests/test_objectstores.py``, for all three. Real processes: both callbacks in their default modes on one process, DDP and
 FSDP2 (``tests/scripts/train_fsdp1.py``), SIGKILLed mid-epoch and run again with the same
 command, compared bit for bit with an uninterrupted local run; a SIGKILL in the middle of an
 upload, a flipped byte in rank 1's object, a PUT denied on rank 1 only
@@ -296,40 +296,6 @@ def test_hf_exports_on_s3_keep_the_newest_and_an_interrupted_one_never_counts(s3
     assert main(["download", failed, str(tmp_path / "none")]) == 2
 
 
-def test_throttled_requests_are_retried_and_counted_in_telemetry(flaky_s3, s3_root, tmp_path, tokenizer) -> None:
-    """The S3 endpoint answers ``503 SlowDown`` to PUTs of the commit marker and of a data file
-    (a proxy in front of the server): the saves retry with backoff and commit, the resume
-    continues from them, and ``checkpoint/recover/retries`` counts the retried requests."""
-    import csv
-
-    import lightning.pytorch as pl
-    from conftest import LMModule, make_trainer, tiny_llama, token_loader
-
-    from areal_lightning import RecoverCallback
-    from areal_lightning.objectstore import retries
-
-    options = {"endpoint_url": flaky_s3.url}
-    flaky_s3.when = lambda method, path: method == "PUT" and ("COMMITTED.json" in path or "__0_0.distcp" in path)
-    flaky_s3.fail = 3
-    before = retries()
-
-    def run(steps: int) -> LMModule:
-        recover = RecoverCallback(fileroot=s3_root, experiment_name="e", trial_name="t", user="u", freq_steps=2,
-                                  io_mode="sync", storage_options=options)
-        logger = pl.loggers.CSVLogger(str(tmp_path / "logs"), name="run", version=0)
-        module = LMModule(tiny_llama(), tokenizer)
-        make_trainer([recover], max_steps=steps, logger=logger, log_every_n_steps=1).fit(module, token_loader())
-        return module
-
-    run(4)
-    assert flaky_s3.failed == 3 and retries() - before >= 3
-    rows = list(csv.DictReader(open(tmp_path / "logs" / "run" / "version_0" / "metrics.csv")))
-    logged = [float(r["checkpoint/recover/retries"]) for r in rows if r.get("checkpoint/recover/retries")]
-    assert logged and max(logged) >= 3
-    resumed = run(6)  # continues after step 4 from the committed generation
-    assert len(resumed.losses) == 2
-
-
 # -- real processes ---------------------------------------------------------------------------
 
 
@@ -545,72 +511,3 @@ def test_trainer_save_checkpoint_takes_the_users_storage_options_with_recover_en
 
 
 # -- the trial lock on a bucket (a lease) ------------------------------------------------------
-
-
-def test_the_lease_refuses_a_live_holder_and_takes_over_a_silent_one(s3_server, s3_root) -> None:
-    """Two leases of one trial prefix on the moto server: the second is refused once it sees the
-    first renewed; after a normal release it is taken at once; a holder that stops renewing (its
-    process killed) is taken over once its lease expired, and learns it lost the trial."""
-    from areal_lightning.commit.lease import ObjectLease
-    from areal_lightning.errors import TrialLockedError
-
-    trial = f"{s3_root}/trial"
-    first = ObjectLease(trial, None, 1.5)
-    first.acquire()
-    second = ObjectLease(trial, None, 1.5)
-    with pytest.raises(TrialLockedError, match=r"being trained by another run \(.* pid \d+"):
-        second.acquire()
-    first.release()
-    second.acquire()  # released: no wait
-    second._stop.set()  # its process stops renewing (killed, or paused), nothing deleted
-    second._thread.join()
-    third = ObjectLease(trial, None, 1.5)
-    third.acquire()  # waits until second's lease expired, then takes over
-    assert third.number == second.number + 1
-    assert len(s3_objects(s3_server, f"{trial}/.lease")) == 1  # the older leases are deleted
-    second.check()  # nothing known yet
-    assert second.renew() is False  # a paused holder comes back: it lost the trial
-    with pytest.raises(TrialLockedError, match="taken over by .* pid"):
-        second.check()
-    third.release()
-    assert s3_objects(s3_server, f"{trial}/.lease") == []
-
-
-@pytest.mark.slow
-def test_a_second_run_of_a_trial_on_a_bucket_is_refused_and_a_killed_runs_rerun_takes_over(s3_server, s3_root,
-                                                                                          tmp_path) -> None:
-    """Real processes, a 3 s lease: a run training the trial (slow steps) and the same command
-    started beside it: the second stops before training with the lock error naming the first;
-    the first finishes. Then a run SIGKILLed at step 5 and its rerun at once: it waits for the
-    dead run's lease to expire, takes over, and resumes bit for bit."""
-    import time
-
-    args = ("--fileroot", s3_root, "--lock-lease-s", "3", "--freq-steps", "3", "--epochs", "1")
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    assert _train(reference, "--freq-steps", "3", "--epochs", "1").returncode == 0
-    first_root, second_root = tmp_path / "first", tmp_path / "second"
-    first_root.mkdir()
-    second_root.mkdir()
-    first = subprocess.Popen([sys.executable, str(SCRIPT), "--root", str(first_root), "--losses",
-                              str(first_root / "losses.jsonl"), *args, "--step-sleep", "0.5"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    deadline = time.monotonic() + 120
-    while not (first_root / "losses.jsonl").exists():  # it holds the trial and trains
-        assert first.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
-    second = _train(second_root, *args)
-    assert second.returncode != 0 and "TrialLockedError" in second.stderr, second.stderr[-3000:]
-    assert "being trained by another run" in second.stderr
-    assert not (second_root / "losses.jsonl").exists()  # refused before training
-    _, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-3000:]
-
-    run = tmp_path / "run"
-    run.mkdir()
-    trial2 = ("--fileroot", f"{s3_root}/again", *args[2:])
-    assert _train(run, *trial2, "--kill-at-step", "5").returncode == -9
-    rerun = _train(run, *trial2)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "waiting up to" in rerun.stderr and "took over the expired lease" in rerun.stderr, rerun.stderr[-3000:]
-    assert _losses(run) == _losses(reference)

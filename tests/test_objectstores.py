@@ -4,12 +4,15 @@ session fixtures ``gs_server`` / ``az_server`` of ``conftest.py``; see ``tests/h
 
 In-process: generations committed by the store's own conditional create (GCS
 ``ifGenerationMatch=0``, Azure ``If-None-Match: *``), an upload failing in the middle, a stop at
-each commit point, the trial lock's lease, a missing bucket / container and a wrong Azure key
+each commit point, the trial lock's lease (also s3), the store's own "busy" 503 retried and counted
+in telemetry and a marker created before its reply was lost (also s3; a proxy in front of the
+server), a missing bucket / container and a wrong Azure key
 (clear errors before training, no secret), ``convert`` of a trial on each of the three stores
 (equal to ``convert`` of the downloaded checkpoint). Real processes: both callbacks on their
 defaults, SIGKILL mid-epoch, the same command, every rank's losses bit for bit and every HF
 export downloaded byte-equal and loadable (1 process and 2-rank DDP on both stores, FSDP2 on
-Azure); a SIGKILL in the middle of an upload; ``areal-lightning run --retries`` after a SIGKILL.
+Azure); a SIGKILL in the middle of an upload; ``areal-lightning run --retries`` after a SIGKILL;
+a second run of a live trial refused and a killed run's rerun taking over (also s3).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,12 +138,79 @@ def test_a_crash_at_each_commit_point_leaves_one_committed_generation_to_resume(
     assert len(_generations(store, f"{root}/checkpoints/u/e/t")) == 1
 
 
-def test_the_lease_refuses_a_live_holder_and_takes_over_a_silent_one(store) -> None:
-    """The trial lock on each store: a second lease refused while the first is renewed, taken at
-    once after a release, taken over once a silent holder's lease expired (which then learns it)."""
+@pytest.fixture
+def flaky(every_store) -> Any:
+    """``(store, proxy)`` for each of the three stores: its :class:`~tests.harness.stores.Store`
+    and a :class:`~tests.harness.stores.FlakyProxy` in front of its server."""
+    from tests.harness.stores import FlakyProxy, upstream_of
+
+    proxy = FlakyProxy(upstream_of(every_store), every_store.scheme)
+    try:
+        yield every_store, proxy
+    finally:
+        proxy.close()
+
+
+def test_a_conditional_create_the_store_did_before_its_reply_was_lost_is_not_refused_on_retry(flaky) -> None:
+    """The store creates the marker but its reply is lost (a 503 in its place): the client's
+    retry of the create is refused (the object exists), and :func:`write_exclusive` tells its
+    own object (the same bytes) from another writer's, which stays refused."""
+    store, proxy = flaky
+    root = store.new_root()
+    proxy.when = lambda method, path: method in ("PUT", "POST") and "marker" in path
+    proxy.fail, proxy.applied = 1, True
+    write_exclusive(f"{root}/marker", b"mine", proxy.options())
+    assert proxy.failed == 1 and store.read(f"{root}/marker".split("://", 1)[1]) == b"mine"
+    with pytest.raises(FileExistsError):  # someone else's bytes: still refused
+        write_exclusive(f"{root}/marker", b"other", proxy.options())
+    assert store.read(f"{root}/marker".split("://", 1)[1]) == b"mine"
+
+
+def test_throttled_requests_are_retried_and_counted_in_telemetry(flaky, tmp_path, tokenizer) -> None:
+    """The store answers its own "busy" 503 to the upload of a data file and to the commit
+    marker's create (a proxy in front of the server): the saves retry with backoff and commit,
+    the resume continues from them, and ``checkpoint/recover/retries`` counts the retried
+    requests (each store's client: botocore, gcsfs, the Azure SDK)."""
+    import csv
+
+    import lightning.pytorch as pl
+    from conftest import LMModule, make_trainer, tiny_llama, token_loader
+
+    from areal_lightning import RecoverCallback
+    from areal_lightning.objectstore import retries
+
+    store, proxy = flaky
+    root = store.new_root()
+    failures = 1 if store.scheme == "az" else 3  # the Azure SDK backs off 15-21 s before its first retry
+    proxy.when = lambda method, path: method in ("PUT", "POST") and ("COMMITTED.json" in path or "__0_0.distcp" in path)
+    proxy.fail = failures
+    before = retries()
+
+    def run(steps: int) -> LMModule:
+        recover = RecoverCallback(fileroot=root, experiment_name="e", trial_name="t", user="u", freq_steps=2,
+                                  io_mode="sync", storage_options=proxy.options())
+        logger = pl.loggers.CSVLogger(str(tmp_path / "logs"), name="run", version=0)
+        module = LMModule(tiny_llama(), tokenizer)
+        make_trainer([recover], max_steps=steps, logger=logger, log_every_n_steps=1).fit(module, token_loader())
+        return module
+
+    run(4)
+    assert proxy.failed == failures and retries() - before >= failures
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "run" / "version_0" / "metrics.csv")))
+    logged = [float(r["checkpoint/recover/retries"]) for r in rows if r.get("checkpoint/recover/retries")]
+    assert logged and max(logged) - before >= failures
+    resumed = run(6)  # continues after step 4 from the committed generation
+    assert len(resumed.losses) == 2
+
+
+def test_the_lease_refuses_a_live_holder_and_takes_over_a_silent_one(every_store) -> None:
+    """The trial lock on each store: a second lease refused once it sees the first renewed,
+    taken at once after a normal release, taken over once a silent holder's lease (its process
+    killed or paused, nothing deleted) expired; that holder learns it lost the trial."""
     from areal_lightning.commit.lease import ObjectLease
     from areal_lightning.errors import TrialLockedError
 
+    store = every_store
     trial = f"{store.new_root()}/trial"
     first = ObjectLease(trial, None, 1.5)
     first.acquire()
@@ -147,18 +218,58 @@ def test_the_lease_refuses_a_live_holder_and_takes_over_a_silent_one(store) -> N
         ObjectLease(trial, None, 1.5).acquire()
     first.release()
     second = ObjectLease(trial, None, 1.5)
-    second.acquire()
+    second.acquire()  # released: no wait
     second._stop.set()  # its process stops renewing
     second._thread.join()
     third = ObjectLease(trial, None, 1.5)
-    third.acquire()  # after second's lease expired
+    third.acquire()  # waits until second's lease expired, then takes over
     assert third.number == second.number + 1
-    assert len(store.objects(f"{trial}/.lease")) == 1
-    assert second.renew() is False
+    assert len(store.objects(f"{trial}/.lease")) == 1  # the older leases are deleted
+    second.check()  # nothing known yet
+    assert second.renew() is False  # a paused holder comes back: it lost the trial
     with pytest.raises(TrialLockedError, match="taken over by .* pid"):
         second.check()
     third.release()
     assert store.objects(f"{trial}/.lease") == []
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_trial_is_refused_and_a_killed_runs_rerun_takes_over(every_store, tmp_path,
+                                                                               tmp_path_factory) -> None:
+    """Real processes on each store, a 3 s lease: a run training the trial (slow steps) and the
+    same command started beside it: the second stops before training with the lock error naming
+    the first; the first finishes. Then a run SIGKILLed at step 5 and its rerun at once: it
+    waits for the dead run's lease to expire, takes over, and resumes bit for bit."""
+    import time
+
+    root = every_store.new_root()
+    args = ("--fileroot", root, "--lock-lease-s", "3", "--freq-steps", "3", "--epochs", "1")
+    reference = _reference(tmp_path_factory, SCRIPT, "--freq-steps", "3", "--epochs", "1")
+    first_root, second_root = tmp_path / "first", tmp_path / "second"
+    first_root.mkdir()
+    second_root.mkdir()
+    first = subprocess.Popen([sys.executable, str(SCRIPT), "--root", str(first_root), "--losses",
+                              str(first_root / "losses.jsonl"), *args, "--step-sleep", "0.5"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while not (first_root / "losses.jsonl").exists():  # it holds the trial and trains
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    second = _train(second_root, *args)
+    assert second.returncode != 0 and "TrialLockedError" in second.stderr, second.stderr[-3000:]
+    assert "being trained by another run" in second.stderr
+    assert not (second_root / "losses.jsonl").exists()  # refused before training
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    again = ("--fileroot", f"{root}/again", *args[2:])
+    assert _train(run, *again, "--kill-at-step", "5").returncode == -9
+    rerun = _train(run, *again)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "waiting up to" in rerun.stderr and "took over the expired lease" in rerun.stderr, rerun.stderr[-3000:]
+    assert step_losses(run / "losses.jsonl") == step_losses(reference / "losses.jsonl")
 
 
 # -- real processes ---------------------------------------------------------------------------

@@ -295,3 +295,25 @@ def test_clear_cuda_error() -> None:
     assert ti.clear_cuda_error() == 0
     torch.ones(4, device="cuda").add_(1)  # the next kernel launch's check sees no error
     torch.cuda.synchronize()
+
+
+def test_count_azure_retries() -> None:
+    # adlfs' client: the retry policy instance of its config, whose increment grants a retry
+    pytest.importorskip("adlfs")
+    from adlfs import AzureBlobFileSystem
+    from azure.core.exceptions import ServiceRequestError
+    from azure.core.pipeline import PipelineContext, PipelineRequest
+    from azure.core.rest import HttpRequest
+
+    from tests.harness.stores import AZURITE_ACCOUNT, AZURITE_KEY
+
+    fs = AzureBlobFileSystem(connection_string=f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+                                               f"AccountKey={AZURITE_KEY};BlobEndpoint=http://127.0.0.1:9/x;",
+                             skip_instance_cache=True)
+    counted = []
+    ti.count_azure_retries(fs, lambda: counted.append(1))
+    policy = fs.service_client._config.retry_policy
+    request = HttpRequest("GET", "http://127.0.0.1:9/x/c/b")
+    settings = policy.configure_retries(PipelineRequest(request, PipelineContext(None)))
+    assert policy.increment(settings, request=request, error=ServiceRequestError("refused")) is True
+    assert counted == [1]

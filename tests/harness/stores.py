@@ -12,6 +12,7 @@ system instance of its own (no listing cache).
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -136,3 +137,115 @@ class Store:
 
     def delete(self, key: str) -> None:
         self.fs().rm_file(key)
+
+
+_BUSY = {  # each store's own reply to a request it cannot serve now: (content type, body, headers)
+    "s3": ("application/xml", b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                              b"<Message>Please reduce your request rate.</Message></Error>", {}),
+    "gs": ("application/json", json.dumps({"error": {"code": 503, "message": "Backend Error", "errors": [
+        {"reason": "backendError", "message": "Backend Error"}]}}).encode(), {}),
+    "az": ("application/xml", b'<?xml version="1.0" encoding="utf-8"?><Error><Code>ServerBusy</Code>'
+                              b"<Message>The server is busy.</Message></Error>", {"x-ms-error-code": "ServerBusy"}),
+}
+
+
+class FlakyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of a store's server (``upstream``: its base URL) that
+    answers the next ``fail`` requests matching ``when(method, text)`` (``text``: the path, a space
+    and the first 4 KiB of the body, where a GCS upload names its object) with ``503`` and the
+    store's own "busy" error (S3 ``SlowDown``, GCS ``backendError``, Azure ``ServerBusy``):
+    real transient failures on the wire. With ``applied`` the request is first forwarded (the
+    store did it) and the 503 replaces the reply: a timeout after the server acted.
+    :meth:`options` are the ``storage_options`` that send a file system through it."""
+
+    def __init__(self, upstream: str, scheme: str) -> None:
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        self.scheme = scheme
+        self.fail = 0
+        self.failed = 0
+        self.applied = False
+        self.when = lambda method, path: True
+        target = urllib.parse.urlsplit(upstream)
+        proxy = self
+        content_type, busy, busy_headers = _BUSY[scheme]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = target.netloc
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                return resp.status, resp.getheaders(), data
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                text = f"{self.path} {body[:4096].decode('latin-1')}"
+                if proxy.fail > 0 and proxy.when(self.command, text):
+                    proxy.fail -= 1
+                    proxy.failed += 1
+                    if proxy.applied:
+                        self._forward(body)
+                    self.send_response(503)
+                    self.send_header("Content-Type", content_type)
+                    for key, value in busy_headers.items():
+                        self.send_header(key, value)
+                    self.send_header("Content-Length", str(len(busy)))
+                    self.end_headers()
+                    self.wfile.write(busy)
+                    return
+                status, headers, data = self._forward(body)
+                self.send_response(status)
+                for key, value in headers:
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                # a HEAD reply has no body but the object's length
+                self.send_header("Content-Length", dict((k.lower(), v) for k, v in headers).get("content-length", "0")
+                                 if self.command == "HEAD" else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def options(self) -> dict[str, str]:
+        """``storage_options`` pointing the store's file system at this proxy."""
+        if self.scheme == "az":
+            return {"connection_string": f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+                                         f"AccountKey={AZURITE_KEY};BlobEndpoint={self.url}/{AZURITE_ACCOUNT};"}
+        return {"endpoint_url": self.url}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def upstream_of(store: Store) -> str:
+    """The base URL of ``store``'s server (``http://127.0.0.1:PORT``)."""
+    if store.scheme == "s3":
+        return store.env["AWS_ENDPOINT_URL"]
+    if store.scheme == "gs":
+        return store.env["STORAGE_EMULATOR_HOST"]
+    if store.scheme == "az":
+        endpoint = next(part.split("=", 1)[1] for part in store.env["AZURE_STORAGE_CONNECTION_STRING"].split(";")
+                        if part.startswith("BlobEndpoint="))
+        return endpoint.rsplit("/", 1)[0]
+    raise ValueError(f"no server known for {store.scheme}://")
