@@ -11,9 +11,11 @@ A real Lightning ``Trainer`` (CPU) trains a Llama built from its config, with ``
 1. **blocked**: one process, the memory tier on ``/dev/shm`` every step (each run in a fresh
    process, the shared tier's final save on ``/dev/shm`` too: see :func:`child_runs`). Per step, what the save
    point held training for the tier (the copy of the state into its slot, plus any wait for a
-   slot: the stall), read from the callback's ``checkpoint/memory/*`` metrics, against the peer:
-   a host copy of the same tensors (``copy_`` into buffers made once) and one ``memcpy`` of the
-   same bytes, measured in the same process. Also the step time with and without the tier.
+   slot: the stall), and the wait before the next optimizer step for the slot's seal (written
+   in the background meanwhile; on CUDA also the device copy's checksums), read from the callback's
+   ``checkpoint/memory/*`` metrics, against the peer: a host copy of the same tensors
+   (``copy_`` into buffers made once) at every step's start, in the same run (so in the same
+   conditions as the save point), and one ``memcpy`` of the same bytes after the run. Also the step time with and without the tier.
 2. **stall**: ``--ranks`` DDP ranks (gloo), the tier every step and the shared tier every 4
    steps (copied from the slots, on ``/dev/shm``): the stall as a share of the step, and the step time against
    the same run without the tier.
@@ -127,6 +129,30 @@ def fit(args: argparse.Namespace, root: Path, *, memory: bool, steps: int, devic
             if crash_after is not None and trainer.global_step == crash_after + 1:
                 raise Crash()
 
+    class PeerCopy(pl.Callback):
+        """The peer, in the same conditions as the tier's save point: at each batch start (before
+        the step's own timer starts; the state the last save point copied), a host copy of
+        every tensor of the model and the optimizers into buffers made once."""
+
+        def __init__(self) -> None:
+            self.buffers: list[torch.Tensor] | None = None
+            self.copy_s: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, *a: Any) -> None:
+            if not memory or trainer.global_step == 0:
+                return
+            state = [t.detach() for t in pl_module.state_dict().values()] + [
+                v for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.numel()]
+            if self.buffers is None:
+                self.buffers = [torch.empty_like(t) for t in state]
+            start = time.perf_counter()
+            for b, t in zip(self.buffers, state):
+                b.copy_(t)
+            self.copy_s.append(time.perf_counter() - start)
+
+    peer = PeerCopy()
+
     pl.seed_everything(0, verbose=False)
     module = make_module(args)
     metrics = Metrics()
@@ -134,7 +160,7 @@ def fit(args: argparse.Namespace, root: Path, *, memory: bool, steps: int, devic
                               storage_options=storage_options,
                               memory={"root": str(Path(args.shm) / root.name)} if memory else None)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
-                         max_steps=steps, callbacks=[CrashAfter(), recover], logger=metrics,
+                         max_steps=steps, callbacks=[CrashAfter(), peer, recover], logger=metrics,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          log_every_n_steps=1)
     start = time.perf_counter()
@@ -147,7 +173,7 @@ def fit(args: argparse.Namespace, root: Path, *, memory: bool, steps: int, devic
         v for opt in trainer.optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     trained = (recover.resumed_from.global_step + 1) if recover.resumed_from is not None else 0
     return {"rank": trainer.global_rank, "step_s": module.step_s, "rows": metrics.rows, "first_batch_s": first,
-            "state": state, "resumed_after": trained}
+            "state": state, "resumed_after": trained, "peer_copy_s": peer.copy_s}
 
 
 def host_copy_s(state: list[torch.Tensor], repeats: int = 5) -> tuple[float, float, int]:
@@ -196,6 +222,8 @@ def blocked(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "host_copy_s": on["host_copy_s"], "memcpy_s": on["memcpy_s"],
             "blocked_vs_host_copy": on["blocked_s"] / on["host_copy_s"],
             "blocked_vs_memcpy": on["blocked_s"] / on["memcpy_s"],
+            "optimizer_wait_s": on["wait_s"], "held_s": on["blocked_s"] + on["wait_s"],
+            "held_vs_host_copy": (on["blocked_s"] + on["wait_s"]) / on["host_copy_s"],
             "step_s_off": off["step_s"], "step_s_on": on["step_s"]}
 
 
@@ -213,11 +241,15 @@ def child(args: argparse.Namespace) -> None:
     result = fit(args, Path(args.workdir) / name, memory=args._memory, steps=args.steps, devices=args.ranks,
                  freq_steps=args._freq_steps, fileroot=str(Path(args.shm) / "shared" / name))
     rows = [r for r in result["rows"] if "checkpoint/memory/blocked_s" in r][1:]  # the first maps the slot files
+    waits = [r["checkpoint/memory/optimizer_wait_s"] for r in result["rows"]
+             if "checkpoint/memory/optimizer_wait_s" in r][1:]
     doc = {"step_s": statistics.median(result["step_s"][1:]),
            "stall_s": statistics.mean(r["checkpoint/memory/stall_s"] for r in rows) if rows else 0.0,
-           "blocked_s": statistics.median(r["checkpoint/memory/blocked_s"] for r in rows) if rows else 0.0}
+           "blocked_s": statistics.median(r["checkpoint/memory/blocked_s"] for r in rows) if rows else 0.0,
+           "wait_s": statistics.median(waits) if waits else 0.0}
     if args._memory:
-        copy_s, memcpy_s, nbytes = host_copy_s(result["state"])
+        _, memcpy_s, nbytes = host_copy_s(result["state"])
+        copy_s = statistics.median(result["peer_copy_s"][1:])  # the first fills fresh buffers
         doc.update(host_copy_s=copy_s, memcpy_s=memcpy_s, state_mb=nbytes / 1e6)
     if result["rank"] == 0:
         Path(args._child).write_text(json.dumps(doc))
@@ -282,6 +314,8 @@ def report(doc: dict[str, Any]) -> str:
              f"{'blocked per step (copy into the slot + stall)':<44}{b['blocked_s']:>10.4f}",
              f"{'  peer: host copy of the same tensors':<44}{b['host_copy_s']:>10.4f}{b['blocked_vs_host_copy']:>10.2f}",
              f"{'  peer: one memcpy of the same bytes':<44}{b['memcpy_s']:>10.4f}{b['blocked_vs_memcpy']:>10.2f}",
+             f"{'wait before the next optimizer step (seal)':<44}{b['optimizer_wait_s']:>10.4f}",
+             f"{'held per step: save point + that wait':<44}{b['held_s']:>10.4f}{b['held_vs_host_copy']:>10.2f}",
              f"{'step without / with the tier':<44}{b['step_s_off']:>10.3f}{b['step_s_on'] / b['step_s_off']:>10.2f}"]
     if s:
         lines += [f"{s['ranks']} DDP ranks, shared tier every 4 steps copied from the slots:",

@@ -368,9 +368,9 @@ def test_a_lost_node_gets_its_ranks_state_back_from_the_peer_copies(tmp_path, tm
 
 
 def test_an_optimizer_step_waits_for_the_slot_sealed_in_the_background(tmp_path) -> None:
-    """The CUDA path's wait, run on CPU: with a seal still pending in the background, a plain
-    torch optimizer step (as a manual-optimisation step that bypasses Lightning's hooks) waits
-    for it through the step pre-hook the session registers, then steps."""
+    """With a seal still pending in the background (held here until released), a plain torch
+    optimizer step (as a manual-optimisation step that bypasses Lightning's hooks) waits for it
+    through the step pre-hook the session registers, then steps."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
@@ -382,7 +382,7 @@ def test_an_optimizer_step_waits_for_the_slot_sealed_in_the_background(tmp_path)
     tier = MemoryTier(MemoryConfig(enabled=True).validate(), tmp_path / "tier", 0)
     released = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        tier._sealing = pool.submit(released.wait, 30)  # what write() leaves while the device copy lands
+        tier._sealing = pool.submit(released.wait, 30)  # what write() leaves while the slot is checksummed
         model = torch.nn.Linear(2, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         session = object.__new__(RecoverSession)  # only the glue under test: the optimizers and the hooks
@@ -396,3 +396,36 @@ def test_an_optimizer_step_waits_for_the_slot_sealed_in_the_background(tmp_path)
         optimizer.step()
     assert tier._sealing is None and tier.last_wait_s >= 0.2  # it waited for the seal, then stepped
     assert not torch.equal(model.weight, before)
+
+
+def test_a_seal_failing_in_the_background_on_one_rank_stops_every_rank_at_the_next_save(tmp_path, tmp_path_factory,
+                                                                                       monkeypatch) -> None:
+    """2 DDP ranks, both callbacks, the memory tier every step: rank 1's background seal of its
+    3rd slot fails (a raise between ``.metadata`` and the seal). The next save raises it on both
+    ranks (rank 0 naming rank 1), promptly, and nothing of that step is used: the shared save of
+    step 3 copied from the slots is not committed, and the rerun resumes from the newest step
+    both ranks sealed (2), from the memory tier, bit for bit."""
+    from test_objectstore import _train_lm
+    from test_objectstores import LM_SCRIPT, _reference
+
+    from tests.harness.losses import rank_losses
+
+    args = ("--strategy", "ddp", "--epochs", "1")
+    reference = _reference(tmp_path_factory, LM_SCRIPT, *args)
+    run = tmp_path / "run"
+    monkeypatch.setenv("TEST_FAULT", "memory.before_seal@3")
+    failed = _train_lm(run, *args, "--memory", "--fault-rank", "1", "--timeout", "60")
+    monkeypatch.delenv("TEST_FAULT")
+    assert failed.returncode != 0
+    errors = {rank: (run / f"error.rank{rank}.txt").read_text() for rank in range(2)}
+    assert "memory tier" in errors[1] and "InjectedFault" in errors[1], errors[1][:2000]
+    assert "failed on rank 1" in errors[0].splitlines()[0] and "InjectedFault" in errors[0], errors[0][:2000]
+    assert not (run / "checkpoints/u/exp/t/default/recover_info").exists()  # step 3's shared save: not committed
+    for path in run.glob("error.rank*.txt"):
+        path.unlink()
+    resumed = _train_lm(run, *args, "--memory")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.stderr.count("resuming from the memory tier") == 2, resumed.stderr[-4000:]
+    assert "skipped step 3: not sealed by rank(s) 1" in resumed.stderr, resumed.stderr[-4000:]
+    assert len(re.findall(r"memory tier, \S+ after global step 1 ", resumed.stderr)) == 2  # 2 steps trained
+    assert rank_losses(run, 2) == rank_losses(reference, 2)

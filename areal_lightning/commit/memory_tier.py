@@ -10,14 +10,15 @@ process that wrote them, SIGKILL included, with no keeper process.
 Writing (:meth:`MemoryTier.write`, every rank at the save point): the next slot is the oldest
 one that is not the newest sealed one (nor, with peer copies, the newest one every peer holds),
 so a sealed state is never overwritten before a newer one is sealed; it is unsealed first (its
-seal removed), then the state is copied into its mapped file while a second thread checksums
-what was copied, then ``.metadata`` and the seal are written: all of it before training goes
-on, so a crash after a step's save point never loses that step (at most the step in flight is
-trained again). On CUDA the device-to-host copy is queued on a side stream into the slot's
-page-locked pages (:mod:`areal_lightning.write.slot`) and the slot is checksummed and sealed in
-a background thread once it landed; :meth:`MemoryTier.wait_sealed` (before the next optimizer
-step) waits for that, so a crash loses at most the step in flight there too. No step is skipped: a slot still being read (copied to the shared tier or to
-the peer) is waited for, and the wait is reported as the stall.
+seal removed), then the state is copied into its mapped file (host tensors: a ``memmove``,
+each chunk checksummed while in cache; CUDA tensors: queued on a side stream into the slot's
+page-locked pages: :mod:`areal_lightning.write.slot`), and training goes on. A background
+thread then (after the device copy landed and was checksummed) writes ``.metadata`` and the
+seal, while the next step's forward and backward run; :meth:`MemoryTier.wait_sealed`, before
+the next optimizer step, waits for it. So a crash loses at most the step in flight: a step's optimizer step never
+completes before the previous step is sealed. No step is skipped: a slot still being read
+(copied to the shared tier or to the peer) is waited for, and the wait is reported as the
+stall.
 
 The shared tier from the slots (:meth:`MemoryTier.persist`, collective, in a background
 thread once the slot is sealed): :func:`~areal_lightning.write.persist.persist` copies every
@@ -59,7 +60,7 @@ from areal_lightning.commit.peer import PeerCopy, receive_slot, send_slot
 from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
 from areal_lightning.stage.host import bind_thread_to, cuda_device
-from areal_lightning.write.slot import COPY_THREADS, DeviceCopy, SlotFile
+from areal_lightning.write.slot import COPY_THREADS, PendingCopy, SlotFile
 
 __all__ = ["MemoryTier", "Seal", "Chosen", "tier_folder", "local_nbytes", "SEAL_FORMAT",
            "is_tier_folder", "newest_complete_step", "verify_slot"]
@@ -171,6 +172,19 @@ def _existing(path: Path) -> Path:
     return path
 
 
+def _bytes_under(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 if none); files other ranks of the node rename or
+    remove meanwhile (their seals' temporary files) are skipped."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name), follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
 def _unseal(folder: Path) -> None:
     for name in (MEMORY_SEAL, COMMIT_MARKER):
         (folder / name).unlink(missing_ok=True)
@@ -243,16 +257,18 @@ class MemoryTier:
         self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (sharded tensors)
         self.last_copy_s = 0.0
         """Seconds the last :meth:`write` held training besides the stall (flatten, skeleton, the
-        copy into the slot and its checksums, ``.metadata``, the seal)."""
+        copy into the slot; a state DCP plans: also its checksums, ``.metadata``, the seal)."""
         self.last_stall_s = 0.0
         """Seconds the last :meth:`write` waited for a slot still being read."""
         self.last_wait_s = 0.0
-        """CUDA: seconds the last :meth:`wait_sealed` held training (the copy landing, its checksums, the seal)."""
+        """Seconds the last :meth:`wait_sealed` held training (the copy landing, its checksums, the seal)."""
         self.pinned: bool | None = None
         """CUDA: whether the last device copy went to page-locked slot pages (``None``: none made)."""
         self._stream: Any = None  # CUDA: the copy stream
         self._sealer: ThreadPoolExecutor | None = None
-        self._sealing: Future | None = None  # CUDA: the background wait, checksums and seal of the last write
+        self._sealing: Future | None = None  # the background checksums and seal of the last write
+        self.wrote = False
+        """Whether this run wrote a slot (every rank alike: they write at the same steps)."""
 
     @property
     def rank_folder(self) -> Path:
@@ -408,11 +424,11 @@ class MemoryTier:
 
     def write(self, checkpoint: Mapping[str, Any], *, global_step: int, world_size: int, lineage: int | None,
               info: dict[str, Any], late: Callable[[torch.Tensor], bool] | None = None) -> None:
-        """Write this rank's state into the next slot and seal it (see the module doc); raises a
-        failure of an earlier background part (a peer copy). CUDA tensors are copied on a side
-        stream and the slot sealed in the background: call :meth:`wait_sealed` before the
-        tensors ``late`` names (parameters, optimizer states) change; the others may change
-        once this returns."""
+        """Copy this rank's state into the next slot, to be sealed in the background (see the
+        module doc); raises a failure of an earlier background part (a seal, a peer copy). Call
+        :meth:`wait_sealed` before the next optimizer step (CUDA: before the tensors ``late``
+        names, parameters and optimizer states, change; the others may change once this
+        returns). A state DCP must plan (sharded tensors) is written and sealed here."""
         self.wait_sealed()
         start = time.perf_counter()
         if self._last_step is not None and self._last_slot is None:  # the first write after a resume
@@ -428,7 +444,7 @@ class MemoryTier:
         skeleton = skeleton_bytes(flat.pop(SKELETON_KEY))
         key = signature(flat, pinned=False)
         written = Written()
-        pending: DeviceCopy | None = None
+        pending: PendingCopy | None = None
         if key is None:  # sharded tensors: DCP plans and writes the slot (rank-local, in this thread)
             self._drop_file(slot)
             self._dcp_engine().save(checkpoint, folder)
@@ -441,41 +457,43 @@ class MemoryTier:
                 layout = ByteLayout(key, 1)
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
-            # the checksums go with the copy (no time of their own); CUDA tensors: queued on the stream
+            # host tensors: copied and checksummed; CUDA tensors: queued on the copy stream
             pending = file.copy(flat, self._hasher(), COPY_THREADS, stream=self._cuda_stream(), late=late)
             finish = file
         self._serial += 1
         seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,
                 "rank": self.rank, "lineage": lineage, "time": time.time(), "info": info}
         if pending is not None:  # sealed in the background once the copy landed
-            if not pending.pinned and self.pinned is None:
+            if pending.device and not pending.pinned and self.pinned is None:
                 log.warning("RecoverCallback: memory tier: CUDA could not page-lock the slot's pages in %s "
                             "(cudaHostRegister refused; Linux refuses to lock a writable mapping of a file on a disk "
                             "file system, a tmpfs one it locks): each save point copies the GPU state synchronously. "
                             "Put recover.memory.root on a tmpfs (the default, /dev/shm)", folder)
-            self.pinned = pending.pinned
+            if pending.device:
+                self.pinned = pending.pinned
             self._sealing = self._seal_pool().submit(self._seal_after, pending, slot, finish, skeleton, written, seal)
         else:
             self._finish(slot, finish, skeleton, written, seal)  # sealed before training goes on
         self._last_step = global_step
+        self.wrote = True
         self.last_copy_s = time.perf_counter() - start - self.last_stall_s
         self._last_slot = slot
         if self.peers:
             self._replicate(slot, self._serial, global_step)
 
-    def _seal_after(self, pending: DeviceCopy, slot: int, file: SlotFile, skeleton: bytes, written: Written,
+    def _seal_after(self, pending: PendingCopy, slot: int, file: SlotFile, skeleton: bytes, written: Written,
                     seal: dict[str, Any]) -> None:
-        """CUDA, in the background: once the device copy of :meth:`write` landed, its checksums,
+        """In the background: once the copy of :meth:`write` landed, its checksums,
         ``.metadata`` and the seal."""
         try:
-            pending.wait(self._hasher(), COPY_THREADS)
+            pending.wait(self._hasher())  # CUDA: the copies landed, their checksums
             self._finish(slot, file, skeleton, written, seal)
         except BaseException as exc:  # noqa: BLE001 - raised by wait_sealed / the next write
             self._failure = exc
             raise
 
     def wait_sealed(self, raise_failure: bool = True) -> float | None:
-        """CUDA: until the last :meth:`write`'s slot is sealed (its device copy landed: the
+        """Until the last :meth:`write`'s slot is sealed (CUDA: its device copy landed; the
         parameters and optimizer states may change); raises its failure (else the next
         :meth:`write` or :meth:`wait` does). Returns the seconds waited (also in
         :attr:`last_wait_s`), ``None`` when nothing was pending."""
@@ -630,7 +648,7 @@ class MemoryTier:
             return
         self._checked = key
         need = self.ranks_per_node * self.config.slots * shard * (1 + self.config.replicas)
-        mine = sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file()) if self.folder.exists() else 0
+        mine = _bytes_under(self.folder)
         stat = os.statvfs(_existing(self.folder))
         free = stat.f_bavail * stat.f_frsize + mine
         if free < need:
@@ -660,6 +678,7 @@ class MemoryTier:
         return self._stream
 
     def _seal_pool(self) -> ThreadPoolExecutor:
+        """The thread sealing the slots in the background (on the caller's GPU)."""
         if self._sealer is None:
             self._sealer = ThreadPoolExecutor(1, thread_name_prefix="areal-memory-seal", initializer=bind_thread_to,
                                               initargs=(cuda_device(),))

@@ -536,14 +536,14 @@ class RecoverSession:
     def _write_memory(self, tier: MemoryTier, checkpoint: dict[str, Any], info: dict[str, Any], steps: int,
                       point: SavePoint) -> None:
         """This rank's memory-tier slot of the checkpoint; a failure on any rank is raised on every rank.
-        On CUDA, every rank first agrees that its previous slot was sealed (its device copy
-        landed, was checksummed and sealed in the background): no rank unseals an older slot
-        while another rank lacks the newer step. Parameters and optimizer states are copied
-        during the next step only at a step's save point (an epoch's end is where callbacks such
-        as stochastic weight averaging rewrite the weights: the training stream waits for the
-        whole copy there)."""
+        Every rank first agrees that its previous slot was sealed (checksummed and sealed in the
+        background): no rank unseals an older slot while another rank lacks the newer step. Each
+        optimizer waits for this slot's seal before it steps. On CUDA, parameters and optimizer
+        states are copied during the next step only at a step's save point (an epoch's end is
+        where callbacks such as stochastic weight averaging rewrite the weights: the training
+        stream waits for the whole copy there)."""
         error: BaseException | None = None
-        if tier.pinned is not None:  # the device path: the previous step's background seal
+        if tier.wrote:  # the previous step's background seal
             try:
                 tier.wait_sealed()
             except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
@@ -553,8 +553,7 @@ class RecoverSession:
             late = self._changed_by_optimizers() if point is SavePoint.STEP_END else None
             tier.write(checkpoint, global_step=steps, world_size=self.trainer.world_size, lineage=self.shared_step,
                        info=info, late=late)
-            if tier.pinned is not None:
-                self._wait_before_optimizer_steps(tier)
+            self._wait_before_optimizer_steps(tier)
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = exc
         self.ranks.agree(error, f"memory tier slot of global step {steps}")  # one rank: raises it
@@ -591,8 +590,9 @@ class RecoverSession:
         return late
 
     def _wait_before_optimizer_steps(self, tier: MemoryTier) -> None:
-        """Each optimizer of the run waits for the memory tier's device copy before it steps
-        (a step pre-hook: also where a manual-optimisation step bypasses Lightning's hooks)."""
+        """Each optimizer of the run waits for the memory tier's seal (CUDA: and device copy)
+        before it steps (a step pre-hook: also where a manual-optimisation step bypasses
+        Lightning's hooks)."""
         def wait(_optimizer: Any, _args: Any, _kwargs: Any) -> None:  # a pre-hook returns None (or new arguments)
             tier.wait_sealed(raise_failure=False)  # a failure: raised on every rank at the next save
 
@@ -625,7 +625,7 @@ class RecoverSession:
 
     def wait_for_staging(self) -> None:
         """Before an optimizer step: wait until an async save and the memory tier's device copy
-        no longer read the weights and optimizer states (the tier's slot is then sealed)."""
+        no longer read the weights and optimizer states, and the tier's slot is sealed."""
         if self.memory is not None:
             waited = self.memory.wait_sealed(raise_failure=False)  # a failure: raised on every rank by the next save
             if waited is not None:

@@ -6,13 +6,19 @@ so every reader of recover checkpoints reads it. What differs is how it is writt
 file of a slot is created once per layout (the tensors' keys, shapes and dtypes) and stays
 mapped (``MAP_SHARED``; on tmpfs the mapping *is* the file's memory). A save is
 
-* :meth:`SlotFile.copy` -- each tensor's bytes copied into its place in the mapping (a memcpy
-  on CPU) a chunk at a time, each chunk's CRC32C computed right after its copy, while it is in
-  the CPU's cache; the items split over a few threads;
+* :meth:`SlotFile.copy` -- at the save point, each host tensor's bytes copied into its place in
+  the mapping (a memcpy) a chunk at a time, each chunk's CRC32C computed right after its copy,
+  while it is in the CPU's cache; the items split over a few threads. It returns a
+  :class:`PendingCopy`;
+* :meth:`PendingCopy.wait` -- on CUDA, the device copies landed and their CRC32Cs;
 * :meth:`SlotFile.finish` -- the skeleton after the tensors, ``.metadata``.
 
-Both run at the save point, and the slot is then sealed: a crash after the save point of a step
-never loses that step.
+The last two run in the background (:class:`~areal_lightning.commit.memory_tier.MemoryTier`
+seals the slot after them) while the next step's forward and backward run, and the next
+optimizer step waits for them. (On CPU the checksums stay with the copy: computed later, in
+the background, they re-read the slot from memory while training's threads use every core,
+which slowed the next steps by more than the checksums cost here: measured in
+``benchmarks/memory_tier.py``.)
 
 On CUDA (:meth:`SlotFile.copy` given a stream) the mapping is page-locked for CUDA once per
 layout (``cudaHostRegister``: the slot's own pages, no second host buffer) and the device
@@ -21,8 +27,7 @@ far; the save point returns once the copies are queued. The tensors the next ste
 before its optimizer step (buffers such as BatchNorm's statistics, anything that is not a
 parameter or an optimizer state) are copied first, and the training stream waits on the GPU
 for that part alone; parameters and optimizer states are copied while the next step's forward
-and backward run, and :class:`DeviceCopy` is waited for (then checksummed, then the slot
-sealed) before the optimizer changes them.
+and backward run, and :meth:`PendingCopy.wait` waits for them to land first.
 
 One file, one mapping and one ``.metadata`` per slot, whatever the number of tensors.
 """
@@ -45,7 +50,7 @@ from areal_lightning.write.checksum import ITEM_CHECKSUM, Written, crc32c
 from areal_lightning.write.direct import ByteLayout, write_metadata
 from areal_lightning.write.raw import tensor_bytes
 
-__all__ = ["SlotFile", "DeviceCopy", "DATA_FILE", "COPY_THREADS"]
+__all__ = ["SlotFile", "PendingCopy", "DATA_FILE", "COPY_THREADS"]
 
 _CHUNK = 1 << 20
 """Bytes copied and then checksummed at a time (while the chunk is still in the CPU's cache)."""
@@ -115,21 +120,28 @@ def _run_shares(function: Callable[..., None], shares: list[list[Any]], pool: Ex
             raise failure
 
 
-class DeviceCopy:
-    """The device-to-host copies of one save into a slot, queued on the copy stream
-    (:meth:`SlotFile.copy` on CUDA). :meth:`wait` returns once they landed and every copied
-    item's CRC32C is on its record."""
+class PendingCopy:
+    """One save's copy into a slot, returned by :meth:`SlotFile.copy` at the save point (the
+    host tensors copied and checksummed): :meth:`wait` returns once the device copies queued on
+    the copy stream landed and their items' CRC32Cs are on their records (at once without
+    any)."""
 
-    def __init__(self, done: Any, items: list[Any], pinned: bool) -> None:
+    def __init__(self, done: Any, shares: list[list[Any]], device: bool, pinned: bool) -> None:
         self._done = done
-        self._items = items
+        self._shares = shares
+        self.device = device
+        """Whether CUDA tensors were copied (on the copy stream)."""
         self.pinned = pinned
-        """Whether the copies went to page-locked memory (else they ran synchronously)."""
+        """CUDA: whether the copies went to page-locked memory (else they ran synchronously)."""
 
-    def wait(self, pool: Executor | None = None, threads: int = 1) -> None:
-        """Until the copies landed; then the checksums, split over ``threads`` (on ``pool``)."""
-        self._done.synchronize()
-        _run_shares(_checksum_share, _shares(self._items, threads if pool is not None else 1), pool)
+    def wait(self, pool: Executor | None = None) -> None:
+        """Until the copies landed; then the checksums, in the copy's shares of the items (the
+        calling thread takes one, ``pool`` the others; all in this thread without a pool)."""
+        if self._done is not None:
+            self._done.synchronize()
+        if self._shares:
+            shares = self._shares if pool is not None else [[entry for share in self._shares for entry in share]]
+            _run_shares(_checksum_share, shares, pool)
 
 
 DATA_FILE = f"__0_0{DATA_SUFFIX}"
@@ -172,39 +184,41 @@ class SlotFile:
         return self.layout.key
 
     def copy(self, flat: Mapping[str, Any], pool: Executor | None = None, threads: int = 1, *,
-             stream: Any = None, late: Callable[[torch.Tensor], bool] | None = None) -> DeviceCopy | None:
-        """Copy every tensor of ``flat`` (the layout's keys) into its bytes in the mapping and put
-        each item's CRC32C on its record. The items are split into ``threads`` shares of about
-        equal bytes, run on ``pool`` (the calling thread takes one); each copies a chunk of about
-        1 MB (a ``memmove`` for a contiguous host tensor, ``copy_`` otherwise) and checksums it
-        while it is in the CPU's cache: one pass over memory instead of two. Fault point
-        ``memory.mid_copy`` halfway through the first share.
+             stream: Any = None, late: Callable[[torch.Tensor], bool] | None = None) -> PendingCopy:
+        """Copy every tensor of ``flat`` (the layout's keys) into its bytes in the mapping; the
+        host tensors are split into ``threads`` shares of about equal bytes, run on ``pool`` (the
+        calling thread takes one); each copies a chunk of about 1 MB (a ``memmove`` for a
+        contiguous tensor, ``copy_`` otherwise) and checksums it while it is in the CPU's cache.
+        Fault point ``memory.mid_copy`` halfway through the first share (with CUDA tensors: after
+        their early part was queued).
 
         ``stream`` (a CUDA stream): the CUDA tensors are copied on it instead, after what the
         current stream queued so far; those ``late`` says may wait (parameters, optimizer
         states) after the others, and the current stream waits for the others only. Returns
-        the :class:`DeviceCopy` to wait for before the ``late`` tensors change (``None``: every
-        copy is done and checksummed)."""
+        the :class:`PendingCopy` to wait for (its checksums computed) before the ``late``
+        tensors change and before the slot is sealed."""
+        k = threads if pool is not None else 1
         device = [entry for entry in self._items if flat[entry[0].key].is_cuda] if stream is not None else []
-        if device:
-            pending = self._copy_device(flat, device, stream, late or (lambda tensor: False))
-            host = [entry for entry in self._items if not flat[entry[0].key].is_cuda]
-            try:
-                _run_shares(_copy_share, _shares(host, threads if pool is not None else 1), pool, flat, False)
-            except BaseException:
-                pending.wait()  # the device copies end before the failure leaves the slot
-                raise
-        else:
-            pending = None
-            _run_shares(_copy_share, self._split(threads if pool is not None else 1), pool, flat, True)
+        done = self._copy_device(flat, device, stream, late or (lambda tensor: False)) if device else None
+        try:
+            if device:
+                _run_shares(_copy_share, _shares([e for e in self._items if not flat[e[0].key].is_cuda], k), pool,
+                            flat, False)
+            else:
+                _run_shares(_copy_share, self._split(k), pool, flat, True)
+        except BaseException:
+            if done is not None:
+                done.synchronize()  # the device copies end before the failure leaves the slot
+            raise
         for item, _ in self._empty_items:
             setattr(item.info, ITEM_CHECKSUM, crc32c(b""))
-        return pending
+        return PendingCopy(done, _shares(device, k), bool(device), bool(self._pinned))
 
     def _copy_device(self, flat: Mapping[str, Any], device: list[Any], stream: Any,
-                     late: Callable[[torch.Tensor], bool]) -> DeviceCopy:
+                     late: Callable[[torch.Tensor], bool]) -> Any:
         """Queue the copies of the CUDA tensors ``device`` (entries of the layout) on ``stream``
-        (see :meth:`copy`); the mapping is page-locked at the first one. A non-contiguous tensor
+        (see :meth:`copy`); the mapping is page-locked at the first one. Returns the event
+        recorded after the last one. A non-contiguous tensor
         is copied in the early part (its contiguous copy, made on the training stream, is
         released at once: ``record_stream`` keeps the allocator from reusing it before the copy
         stream read it). A failure after copies were queued waits for them before it propagates
@@ -240,7 +254,7 @@ class SlotFile:
             stream.synchronize()
             raise
         current.wait_event(first)  # the next step's kernels run after the early part landed
-        return DeviceCopy(done, device, bool(self._pinned))
+        return done
 
     def _split(self, k: int) -> list[list[Any]]:
         if self._shares is None or len(self._shares) != min(k, len(self._items)):

@@ -5,7 +5,7 @@
         [--hf-mode auto|sync|async] [--method gather|dcp] [--kill-at-step N] [--epochs N]
         [--freq-steps N] [--hf-freq-steps N] [--timeout S] [--fault-rank R]
         [--mixed] [--act-ckpt] [--cpu-offload] [--strategy fsdp1|fsdp2|ddp|single]
-        [--fileroot URI] [--storage-options JSON]
+        [--fileroot URI] [--storage-options JSON] [--memory]
 
 What a user writes: a ``LightningModule`` holding a tiny ``LlamaForCausalLM`` (built from a
 config) and a tokenizer, ``auto_wrap_policy={LlamaDecoderLayer}``, a shuffled ``DataLoader``
@@ -18,7 +18,8 @@ callbacks another fileroot than ``--root`` (e.g. ``s3://bucket/prefix``).
 
 Appends one JSON line per optimizer step to ``FILE.rank{r}``: ``{"step", "loss" (hex), "pid"}``.
 ``--kill-at-step N`` SIGKILLs every rank at the end of step N (before that step's saves).
-``--fault-rank R``: the fault points named in ``TEST_FAULT`` fire on rank R only.
+``--fault-rank R``: the fault points named in ``TEST_FAULT`` fire on rank R only. ``--memory``:
+the memory tier too (a slot every step, in ``DIR/memory``).
 On an exception each rank writes ``DIR/error.rank{r}.txt`` with the error and exits 3.
 """
 
@@ -152,6 +153,7 @@ def main() -> int:
     p.add_argument("--fileroot", default=None, help="both callbacks' fileroot (default: --root)")
     p.add_argument("--lock-lease-s", type=float, default=60.0, help="RecoverCallback(lock_lease_s=...): an object store's trial lease")
     p.add_argument("--storage-options", default=None, help="JSON: both callbacks' storage_options")
+    p.add_argument("--memory", action="store_true", help="the memory tier too, a slot every step, in ROOT/memory")
     args = p.parse_args()
 
     rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0"))  # global (torchrun sets RANK)
@@ -180,7 +182,7 @@ def main() -> int:
     hf = HFSaverCallback(**common, mode=args.hf_mode, freq_steps=args.hf_freq_steps, sharded_method=args.method,
                          **timeout)
     recover = RecoverCallback(**common, freq_steps=args.freq_steps, io_mode=args.io_mode, lock_lease_s=args.lock_lease_s,
-                              **timeout)
+                              memory={"root": str(Path(args.root) / "memory")} if args.memory else None, **timeout)
     callbacks = [hf, recover]
     if args.kill_at_step is not None:
         callbacks.insert(0, KillAt(args.kill_at_step))
