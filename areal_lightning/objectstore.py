@@ -169,6 +169,7 @@ def filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> An
 
 _RETRIED = [0]
 """Requests of this process that the object store's client retried (throttling, 5xx, resets)."""
+_RETRIED_LOCK = threading.Lock()  # not _FS_LOCK: a client may count while a file system is made under it
 
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 501, 502, 503, 504})
 """The HTTP statuses gcsfs retries (``gcsfs.retry.errs``)."""
@@ -184,7 +185,7 @@ def retries() -> int:
 
 
 def _retried(count: int = 1) -> None:
-    with _FS_LOCK:
+    with _RETRIED_LOCK:
         _RETRIED[0] += count
     log.info("object store: %d request(s) retried after a transient error", count)
 
