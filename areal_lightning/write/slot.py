@@ -59,15 +59,28 @@ COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_
 """Threads a slot's copy is split over (each copies and checksums its share of the items)."""
 
 
+_ITEM_COST = 32 << 10
+"""An item's fixed cost (a few microseconds of Python), in bytes copied in that time."""
+
+_SMALL = 128 << 10
+"""Items under this size are copied in the calling thread (see :func:`_shares`)."""
+
+
 def _shares(items: list[Any], k: int) -> list[list[Any]]:
-    """``items`` split into ``k`` lists of about equal bytes (largest first to the least loaded),
-    each in file order."""
+    """``items`` split into ``k`` lists of about equal cost, each in file order: the items under
+    :data:`_SMALL` all in the first (the calling thread's: each is a few microseconds of Python, and
+    threads taking turns at the GIL for them cost more than they save, measured), the others
+    largest first to the least loaded (an item costing its bytes plus :data:`_ITEM_COST`)."""
     shares: list[list[int]] = [[] for _ in range(k)]
     loads = [0] * k
-    for i in sorted(range(len(items)), key=lambda i: -items[i][0].nbytes):
+    for i, entry in enumerate(items):
+        if entry[0].nbytes < _SMALL:
+            shares[0].append(i)
+            loads[0] += entry[0].nbytes + _ITEM_COST
+    for i in sorted((i for i in range(len(items)) if items[i][0].nbytes >= _SMALL), key=lambda i: -items[i][0].nbytes):
         least = loads.index(min(loads))
         shares[least].append(i)
-        loads[least] += items[i][0].nbytes
+        loads[least] += items[i][0].nbytes + _ITEM_COST
     return [[items[i] for i in sorted(share)] for share in shares if share]
 
 
