@@ -189,6 +189,7 @@ class SlotFile:
         self._items = [(item, view, base + item.offset, tensor_bytes(view)) for item, view in self.views if item.nbytes]
         self._empty_items = [(item, view) for item, view in self.views if item.nbytes == 0]
         self._shares: list[list[Any]] | None = None
+        self._shares_for = 0  # the thread count _shares was made for
         self._pinned: bool | None = None  # CUDA: whether the mapping is page-locked (None: not tried)
 
     @property
@@ -199,8 +200,8 @@ class SlotFile:
     def copy(self, flat: Mapping[str, Any], pool: Executor | None = None, threads: int = 1, *,
              stream: Any = None, late: Callable[[torch.Tensor], bool] | None = None) -> PendingCopy:
         """Copy every tensor of ``flat`` (the layout's keys) into its bytes in the mapping; the
-        host tensors are split into ``threads`` shares of about equal bytes, run on ``pool`` (the
-        calling thread takes one); each copies a chunk of about 1 MB (a ``memmove`` for a
+        host tensors are split into up to ``threads`` shares of about equal cost (see
+        :func:`_shares`), run on ``pool`` (the calling thread takes one); each copies a chunk of about 1 MB (a ``memmove`` for a
         contiguous tensor, ``copy_`` otherwise) and checksums it while it is in the CPU's cache.
         Fault point ``memory.mid_copy`` halfway through the first share (with CUDA tensors: after
         their early part was queued).
@@ -270,8 +271,9 @@ class SlotFile:
         return done
 
     def _split(self, k: int) -> list[list[Any]]:
-        if self._shares is None or len(self._shares) != min(k, len(self._items)):
-            self._shares = _shares(self._items, k)
+        """The items' shares for ``k`` threads (made once per ``k``)."""
+        if self._shares is None or self._shares_for != k:
+            self._shares, self._shares_for = _shares(self._items, k), k
         return self._shares
 
     def finish(self, skeleton: bytes, written: Written) -> None:
