@@ -66,9 +66,12 @@ POINTS: dict[str, str] = {
     # the memory tier (write/slot.py, commit/memory_tier.py): every rank, at its memory-tier steps
     "memory.mid_copy": "half of the rank's tensors copied into the slot's mapped file (training thread)",
     "memory.before_metadata": "the slot's tensors copied and checksummed and its skeleton written, before its "
-                              ".metadata (the seal's background thread, during the next step)",
-    "memory.before_seal": "the slot's .metadata written, before SEALED.json (the seal's background thread)",
-    "memory.after_seal": "SEALED.json renamed into place: the slot holds the step (the seal's background thread)",
+                              ".metadata (the seal's background thread, during the next step; the training "
+                              "thread for sharded states, which DCP plans)",
+    "memory.before_seal": "the slot's .metadata written, before SEALED.json (the seal's background thread; the "
+                          "training thread for sharded states)",
+    "memory.after_seal": "SEALED.json renamed into place: the slot holds the step (the seal's background thread; "
+                         "the training thread for sharded states)",
     "memory.mid_replica": "a peer copy: this rank's slot sent to its peer on the next node, before the copy it "
                           "received is written (background thread)",
     "memory.mid_persist": "a shared-tier save from the memory tier: this rank's data file copied from its slot, "

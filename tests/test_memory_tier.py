@@ -367,10 +367,13 @@ def test_a_lost_node_gets_its_ranks_state_back_from_the_peer_copies(tmp_path, tm
         assert step_losses(tmp_path / f"losses.rank{rank}") == step_losses(f"{ref_root}/losses.rank{rank}")
 
 
-def test_an_optimizer_step_waits_for_the_slot_sealed_in_the_background(tmp_path) -> None:
+@pytest.mark.parametrize("closure", [False, True])
+def test_an_optimizer_step_waits_for_the_slot_sealed_in_the_background(tmp_path, closure) -> None:
     """With a seal still pending in the background (held here until released), a plain torch
     optimizer step (as a manual-optimisation step that bypasses Lightning's hooks) waits for it
-    through the step pre-hook the session registers, then steps."""
+    through the step pre-hook the session registers, then steps. Given a closure (what
+    Lightning's automatic optimisation passes: the forward and backward run in it), the closure
+    runs first, with the seal still pending, and the wait comes after it, before the update."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
@@ -381,21 +384,37 @@ def test_an_optimizer_step_waits_for_the_slot_sealed_in_the_background(tmp_path)
 
     tier = MemoryTier(MemoryConfig(enabled=True).validate(), tmp_path / "tier", 0)
     released = threading.Event()
+    notes: list[dict] = []
     with ThreadPoolExecutor(1) as pool:
-        tier._sealing = pool.submit(released.wait, 30)  # what write() leaves while the slot is checksummed
+        tier._sealing = pool.submit(released.wait, 30)  # what write() leaves while the slot is sealed
         model = torch.nn.Linear(2, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         session = object.__new__(RecoverSession)  # only the glue under test: the optimizers and the hooks
-        session.trainer, session._step_hooks = SimpleNamespace(optimizers=[optimizer]), {}
+        session.trainer, session._step_hooks = SimpleNamespace(optimizers=[optimizer], global_step=1), {}
+        session.memory, session.telemetry = tier, SimpleNamespace(note=lambda step, metrics: notes.append(metrics))
         session._wait_before_optimizer_steps(tier)
         session._wait_before_optimizer_steps(tier)  # once per optimizer
         assert len(optimizer._optimizer_step_pre_hooks) == 1
         before = model.weight.detach().clone()
-        model(torch.ones(1, 2)).sum().backward()
         threading.Timer(0.3, released.set).start()
-        optimizer.step()
-    assert tier._sealing is None and tier.last_wait_s >= 0.2  # it waited for the seal, then stepped
+        if closure:
+            pending_in_closure = []
+
+            def forward_backward() -> torch.Tensor:
+                pending_in_closure.append(tier._sealing is not None)
+                optimizer.zero_grad()
+                loss = model(torch.ones(1, 2)).sum()
+                loss.backward()
+                return loss
+
+            optimizer.step(forward_backward)
+            assert pending_in_closure == [True]  # the forward and backward overlapped the seal
+        else:
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+    assert tier._sealing is None and tier.last_wait_s >= 0.1  # it waited for the seal, then stepped
     assert not torch.equal(model.weight, before)
+    assert [n["checkpoint/memory/optimizer_wait_s"] for n in notes] == [tier.last_wait_s]
 
 
 def test_a_seal_failing_in_the_background_on_one_rank_stops_every_rank_at_the_next_save(tmp_path, tmp_path_factory,

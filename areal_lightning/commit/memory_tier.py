@@ -14,8 +14,8 @@ seal removed), then the state is copied into its mapped file (host tensors: a ``
 each chunk checksummed while in cache; CUDA tensors: queued on a side stream into the slot's
 page-locked pages: :mod:`areal_lightning.write.slot`), and training goes on. A background
 thread then (after the device copy landed and was checksummed) writes ``.metadata`` and the
-seal, while the next step's forward and backward run; :meth:`MemoryTier.wait_sealed`, before
-the next optimizer step, waits for it. So a crash loses at most the step in flight: a step's optimizer step never
+seal, while the next step's forward and backward run; :meth:`MemoryTier.wait_sealed`, after
+them and before the next optimizer update, waits for it. So a crash loses at most the step in flight: a step's optimizer step never
 completes before the previous step is sealed. No step is skipped: a slot still being read
 (copied to the shared tier or to the peer) is waited for, and the wait is reported as the
 stall.
@@ -257,7 +257,8 @@ class MemoryTier:
         self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (sharded tensors)
         self.last_copy_s = 0.0
         """Seconds the last :meth:`write` held training besides the stall (flatten, skeleton, the
-        copy into the slot; a state DCP plans: also its checksums, ``.metadata``, the seal)."""
+        copy into the slot with the host tensors' checksums; a state DCP plans: also
+        ``.metadata`` and the seal)."""
         self.last_stall_s = 0.0
         """Seconds the last :meth:`write` waited for a slot still being read."""
         self.last_wait_s = 0.0

@@ -591,16 +591,38 @@ class RecoverSession:
 
     def _wait_before_optimizer_steps(self, tier: MemoryTier) -> None:
         """Each optimizer of the run waits for the memory tier's seal (CUDA: and device copy)
-        before it steps (a step pre-hook: also where a manual-optimisation step bypasses
-        Lightning's hooks)."""
-        def wait(_optimizer: Any, _args: Any, _kwargs: Any) -> None:  # a pre-hook returns None (or new arguments)
-            tier.wait_sealed(raise_failure=False)  # a failure: raised on every rank at the next save
+        before it changes the parameters (a step pre-hook: also where a manual-optimisation step
+        bypasses Lightning's hooks). A step given a closure (Lightning's automatic optimisation
+        runs the forward and backward in it) waits after the closure, so the seal overlaps them."""
+        def wait(_optimizer: Any, args: Any, kwargs: Any) -> Any:  # None, or new (args, kwargs)
+            # args: the step's own, the optimizer first (torch passes the bound method's arguments)
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if not callable(closure):
+                self._wait_for_seal()
+                return None
+
+            def closure_then_wait() -> Any:
+                result = closure()
+                self._wait_for_seal()
+                return result
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_wait}
+            return (args[0], closure_then_wait, *args[2:]), kwargs
 
         hooked = self._step_hooks
         for optimizer in self.trainer.optimizers:
             inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's torch optimizer
             if id(inner) not in hooked and hasattr(inner, "register_step_pre_hook"):
                 hooked[id(inner)] = inner.register_step_pre_hook(wait)
+
+    def _wait_for_seal(self) -> None:
+        """Until the memory tier's last slot is sealed (telemetry: ``checkpoint/memory/optimizer_wait_s``);
+        a failure is raised on every rank by the next memory-tier save (or the end of training)."""
+        if self.memory is not None:
+            waited = self.memory.wait_sealed(raise_failure=False)
+            if waited is not None:
+                self.telemetry.note(self.trainer.global_step, {"checkpoint/memory/optimizer_wait_s": waited})
 
     def _committed(self, timer: SaveTimer) -> Callable[[Any], None]:
         def committed(written: Any) -> None:  # rank 0, after the commit (in the background when async)
@@ -626,10 +648,7 @@ class RecoverSession:
     def wait_for_staging(self) -> None:
         """Before an optimizer step: wait until an async save and the memory tier's device copy
         no longer read the weights and optimizer states, and the tier's slot is sealed."""
-        if self.memory is not None:
-            waited = self.memory.wait_sealed(raise_failure=False)  # a failure: raised on every rank by the next save
-            if waited is not None:
-                self.telemetry.note(self.trainer.global_step, {"checkpoint/memory/optimizer_wait_s": waited})
+        self._wait_for_seal()
         if self.io.engine.in_flight is not None:
             start = time.perf_counter()
             self.io.engine.wait_for_staging()

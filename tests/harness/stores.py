@@ -165,6 +165,7 @@ class FlakyProxy:
         import urllib.parse
 
         self.scheme = scheme
+        self.lock = threading.Lock()  # the handler threads take failures one at a time
         self.fail = 0
         self.failed = 0
         self.applied = False
@@ -193,9 +194,12 @@ class FlakyProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 text = f"{self.path} {body[:4096].decode('latin-1')}"
-                if proxy.fail > 0 and proxy.when(self.command, text):
-                    proxy.fail -= 1
-                    proxy.failed += 1
+                with proxy.lock:
+                    failing = proxy.fail > 0 and proxy.when(self.command, text)
+                    if failing:
+                        proxy.fail -= 1
+                        proxy.failed += 1
+                if failing:
                     if proxy.applied:
                         self._forward(body)
                     self.send_response(503)
