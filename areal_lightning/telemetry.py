@@ -21,6 +21,7 @@ step (loggers are not thread-safe), stamped with the step it was taken at.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -33,8 +34,22 @@ log = logging.getLogger(__name__)
 
 
 def folder_bytes(path: Path) -> int:
-    """Total size of the files below ``path``."""
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    """Total bytes of the regular files below ``path`` (``path``'s own for a file; 0 when it does
+    not exist). A file removed or renamed meanwhile (another rank's or thread's temporary file)
+    is skipped."""
+    try:
+        if os.path.isfile(path):
+            return os.lstat(path).st_size
+    except OSError:
+        return 0
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 @dataclass(frozen=True)

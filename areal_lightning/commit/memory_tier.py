@@ -53,6 +53,7 @@ from areal_lightning.commit.manifest import verify_mapped
 from areal_lightning.config import MEMORY_ROOT, MemoryConfig
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, MemorySpaceError
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
+from areal_lightning.telemetry import folder_bytes
 from areal_lightning.write.checksum import Written, file_crc32c
 from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
 from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
@@ -172,19 +173,6 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _bytes_under(folder: Path) -> int:
-    """Bytes of the files under ``folder`` (0 if none); files other ranks of the node rename or
-    remove meanwhile (their seals' temporary files) are skipped."""
-    total = 0
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name), follow_symlinks=False).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
 def _unseal(folder: Path) -> None:
     for name in (MEMORY_SEAL, COMMIT_MARKER):
         (folder / name).unlink(missing_ok=True)
@@ -268,8 +256,11 @@ class MemoryTier:
         self._stream: Any = None  # CUDA: the copy stream
         self._sealer: ThreadPoolExecutor | None = None
         self._sealing: Future | None = None  # the background checksums and seal of the last write
-        self.wrote = False
+
+    @property
+    def wrote(self) -> bool:
         """Whether this run wrote a slot (every rank alike: they write at the same steps)."""
+        return self._last_slot is not None
 
     @property
     def rank_folder(self) -> Path:
@@ -476,7 +467,6 @@ class MemoryTier:
         else:
             self._finish(slot, finish, skeleton, written, seal)  # sealed before training goes on
         self._last_step = global_step
-        self.wrote = True
         self.last_copy_s = time.perf_counter() - start - self.last_stall_s
         self._last_slot = slot
         if self.peers:
@@ -649,7 +639,7 @@ class MemoryTier:
             return
         self._checked = key
         need = self.ranks_per_node * self.config.slots * shard * (1 + self.config.replicas)
-        mine = _bytes_under(self.folder)
+        mine = folder_bytes(self.folder)  # files other ranks rename meanwhile are skipped
         stat = os.statvfs(_existing(self.folder))
         free = stat.f_bavail * stat.f_frsize + mine
         if free < need:

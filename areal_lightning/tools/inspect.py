@@ -52,6 +52,7 @@ from areal_lightning.layout import (
     parse_export_name,
 )
 from areal_lightning.objectstore import check_path, is_remote
+from areal_lightning.telemetry import folder_bytes
 
 __all__ = ["InspectUsageError", "inspect_trial", "inspect_path", "render_reports", "run_inspect"]
 
@@ -63,20 +64,6 @@ _MAX_HEADER = 100 << 20  # the safetensors library refuses headers above 100 MB 
 # ---------------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------------
-
-
-def _tree_size(path: Path) -> int:
-    """Total bytes of the regular files below ``path`` (0 when it vanished meanwhile)."""
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def _mtime(path: Path) -> float | None:
@@ -200,7 +187,7 @@ def inspect_export(path: Path, now: float | None = None) -> dict[str, Any]:
         "epoch": parsed.epoch if parsed else None,
         "epoch_step": parsed.epoch_step if parsed else None,
         "global_step": parsed.global_step if parsed else None,
-        "size_bytes": _tree_size(path),
+        "size_bytes": folder_bytes(path),
         "mtime": _iso(mtime),
         "age_s": _age(mtime, now),
         "weight_files": weight_files,
@@ -303,7 +290,7 @@ def _inspect_recover(layout: TrialLayout, model_names: list[str], verify: bool, 
         store = stores[name]
         ckpt_dir = store.ckpt_dir
         entry: dict[str, Any] = {
-            "model": name, "path": str(ckpt_dir), "size_bytes": _tree_size(ckpt_dir),
+            "model": name, "path": str(ckpt_dir), "size_bytes": folder_bytes(ckpt_dir),
             "num_files": sum(1 for p in ckpt_dir.rglob("*") if p.is_file()),
             "global_step": None, "steps_done": None, "epoch": None, "epoch_step": None,
             "world_size": None, "strategy": None, "io_mode": None, "commit_time": None,
@@ -357,7 +344,7 @@ def _leftovers(trial_dir: Path, model_dirs: Iterable[Path], now: float) -> list[
             if child.name.startswith(LEFTOVER_PREFIXES):
                 kind = next(p for p in LEFTOVER_PREFIXES if child.name.startswith(p)).strip(".-")
                 mtime = _mtime(child)
-                found.append({"path": str(child), "kind": kind, "size_bytes": _tree_size(child),
+                found.append({"path": str(child), "kind": kind, "size_bytes": folder_bytes(child),
                               "age_s": _age(mtime, now)})
     return found
 
@@ -429,7 +416,7 @@ def inspect_memory(layout: TrialLayout, model_names: list[str], root: str | None
             if isinstance(doc, dict) and "global_step" in doc:
                 ranks.setdefault(seal.parent.parent.name, []).append(int(doc["global_step"]))
         newest = newest_complete_step(folder)
-        report: dict[str, Any] = {"model": name, "folder": str(folder), "size_bytes": _tree_size(folder),
+        report: dict[str, Any] = {"model": name, "folder": str(folder), "size_bytes": folder_bytes(folder),
                                   "ranks": {r: sorted(steps) for r, steps in sorted(ranks.items())},
                                   "newest_complete_step": newest[0] if newest else None, "checksum": "not verified"}
         if verify and newest is not None:
