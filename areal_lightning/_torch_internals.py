@@ -57,6 +57,10 @@ Why each is needed (public torch has no equivalent):
   reports how many requests it retried; :func:`count_azure_retries` wraps ``increment`` of the
   client's policy instance, ``service_client._config.retry_policy`` (the one instance every
   container and blob client of it shares), to count the retries it grants.
+* a slot of the memory tier copies its small tensors a group at a time, each group by one call
+  that releases the GIL (``torch._foreach_copy_``, what torch's optimizers use): copied one by
+  one, 2,000 tensors of 32 KB cost about 1 us of Python each, and threads copying them take
+  turns at the GIL (measured in ``benchmarks/many_tensors.py``).
 * the exact data position: torch's DataLoader iterators read indices from
   ``DataLoader._index_sampler`` and are built by ``DataLoader._get_iterator``; a tracked loader
   overrides both in a subclass made with ``type()`` and takes it by a ``__class__`` swap
@@ -77,14 +81,14 @@ __all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "
            "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
            "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log", "save_flat_state_dict", "load_flat_state_dict",
            "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter", "clear_cuda_error",
-           "count_azure_retries"]
+           "count_azure_retries", "copy_tensors"]
 
 PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_cached_all_plans",
                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan", "_cached_plans_key", "_pending_local_plan", "_shard",
                  "_init_from_local_shards_and_global_metadata", "_process_group", "_utils", "_orig_mod",
                  "_index_sampler", "_get_iterator", "_dcp_logger", "_save_state_dict", "_load_state_dict",
                  "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_weight_conversions",
-                 "_hf_peft_config_loaded", "_filters_mutated", "_config")
+                 "_hf_peft_config_loaded", "_filters_mutated", "_config", "_foreach_copy_")
 """The private names of torch, transformers, peft, the Azure SDK and the standard library used here (and nowhere
 else in the package)."""
 
@@ -286,3 +290,12 @@ def count_azure_retries(fs: Any, on_retry: Callable[[], None]) -> None:
         return again
 
     policy.increment = counted
+
+
+def copy_tensors(destinations: Sequence[Any], sources: Sequence[Any]) -> None:
+    """``destination.copy_(source)`` for each pair, in one call that releases the GIL
+    (``torch._foreach_copy_``), outside autograd."""
+    import torch
+
+    with torch.no_grad():
+        torch._foreach_copy_(list(destinations), list(sources))

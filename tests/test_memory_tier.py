@@ -448,3 +448,54 @@ def test_a_seal_failing_in_the_background_on_one_rank_stops_every_rank_at_the_ne
     assert "skipped step 3: not sealed by rank(s) 1" in resumed.stderr, resumed.stderr[-4000:]
     assert len(re.findall(r"memory tier, \S+ after global step 1 ", resumed.stderr)) == 2  # 2 steps trained
     assert rank_losses(run, 2) == rank_losses(reference, 2)
+
+
+def test_a_slot_holds_every_kind_of_tensor_bit_for_bit_and_changes_between_saves(tmp_path) -> None:
+    """The slot copy of :mod:`areal_lightning.write.slot`, in all its paths, read back by the
+    loader a resume uses: small tensors in groups copied by one call (typed views of the slot),
+    an item of a group its dtype cannot view at its offset (copied on its own), non-contiguous
+    and grad-requiring sources, a 0-dim step, an empty tensor, a tensor of several chunks; then
+    a second save of changed values into the same layout (what every step after the first does)."""
+    from areal_lightning.commit.memory_tier import MemoryTier, verify_slot
+    from areal_lightning.config import MemoryConfig
+    from areal_lightning.write.dcp import DCPEngine
+
+    gen = torch.Generator().manual_seed(3)
+
+    def state(shift: int) -> dict[str, Any]:
+        weights = {f"w{i}": torch.randn(3, 5, generator=gen) + shift for i in range(40)}  # groups, aligned
+        return {"state_dict": {
+            "flag": torch.tensor([True, False, shift % 2 == 0]),  # 3 bytes: what follows is misaligned
+            "half": torch.randn(7, generator=gen).to(torch.bfloat16),
+            "after": torch.arange(5, dtype=torch.float32) + shift,  # in that group: one by one
+            **weights,
+            "param": torch.randn(4, 4, generator=gen).requires_grad_(),
+            "transposed": (torch.arange(12, dtype=torch.int64).reshape(3, 4) * (shift + 1)).t(),
+            "step": torch.tensor(float(shift)),
+            "empty": torch.empty(0, 3),
+            "big": torch.randn(700_000, generator=gen),  # 2.8 MB: its own unit, three chunks
+            "complex": torch.randn(6, dtype=torch.complex64, generator=gen),
+        }, "step": shift}
+
+    tier = MemoryTier(MemoryConfig(enabled=True, root=str(tmp_path / "shm")).validate(), tmp_path / "tier", 0)
+    engine = DCPEngine()
+    try:
+        for shift in (1, 2):
+            saved = state(shift)
+            tier.write(saved, global_step=shift, world_size=1, lineage=None, info={})
+            tier.wait()
+            [seal] = [s for s in tier.held() if s.global_step == shift]
+            assert verify_slot(seal)[0] is None
+            template = {"state_dict": {k: torch.zeros_like(v.detach(), memory_format=torch.contiguous_format)
+                                       for k, v in saved["state_dict"].items()}}
+            loaded = engine.load(seal.path, template=template)
+            for key, value in saved["state_dict"].items():
+                got = loaded["state_dict"][key]
+                assert got.dtype == value.dtype and torch.equal(got, value.detach()), key
+            assert loaded["step"] == shift
+        units = [unit for file in tier._files.values() for unit in file._units]
+        assert any(len(unit.typed) > 1 for unit in units)  # a group copied in one call
+        assert any(unit.loose and unit.typed for unit in units)  # an item of a group its dtype cannot view
+    finally:
+        engine.close()
+        tier.close()

@@ -317,3 +317,14 @@ def test_count_azure_retries() -> None:
     settings = policy.configure_retries(PipelineRequest(request, PipelineContext(None)))
     assert policy.increment(settings, request=request, error=ServiceRequestError("refused")) is True
     assert counted == [1]
+
+
+def test_copy_tensors() -> None:
+    """Pairs of any shape and dtype, sources needing grad or not contiguous: each copied into its
+    destination, which stays outside autograd."""
+    sources = [torch.randn(3, 4, requires_grad=True), torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),
+               torch.tensor(True), torch.randn(5, dtype=torch.bfloat16)]
+    destinations = [torch.empty_like(s, memory_format=torch.contiguous_format).detach() for s in sources]
+    ti.copy_tensors(destinations, sources)
+    for destination, source in zip(destinations, sources):
+        assert torch.equal(destination, source.detach()) and not destination.requires_grad

@@ -244,7 +244,7 @@ class MemoryTier:
         self._failure: BaseException | None = None
         self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (sharded tensors)
         self.last_copy_s = 0.0
-        """Seconds the last :meth:`write` held training besides the stall (flatten, skeleton, the
+        """Seconds the last :meth:`write` held training besides the stall (flatten, the
         copy into the slot with the host tensors' checksums; a state DCP plans: also
         ``.metadata`` and the seal)."""
         self.last_stall_s = 0.0
@@ -433,7 +433,7 @@ class MemoryTier:
         _unseal(folder)
         self._sealed.pop(slot, None)
         flat = flatten(checkpoint)
-        skeleton = skeleton_bytes(flat.pop(SKELETON_KEY))
+        skeleton: Any = flat.pop(SKELETON_KEY)  # a copy of the state's non-tensor parts: pickled in the background
         key = signature(flat, pinned=False)
         written = Written()
         pending: PendingCopy | None = None
@@ -447,6 +447,7 @@ class MemoryTier:
             if file is None or file.key != key:
                 self._drop_file(slot)
                 layout = ByteLayout(key, 1)
+                skeleton = skeleton_bytes(skeleton)  # its size is part of the space check
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
             # host tensors: copied and checksummed; CUDA tensors: queued on the copy stream
@@ -472,12 +473,15 @@ class MemoryTier:
         if self.peers:
             self._replicate(slot, self._serial, global_step)
 
-    def _seal_after(self, pending: PendingCopy, slot: int, file: SlotFile, skeleton: bytes, written: Written,
+    def _seal_after(self, pending: PendingCopy, slot: int, file: SlotFile, skeleton: Any, written: Written,
                     seal: dict[str, Any]) -> None:
-        """In the background: once the copy of :meth:`write` landed, its checksums,
-        ``.metadata`` and the seal."""
+        """In the background: once the copy of :meth:`write` landed, its checksums, the
+        ``skeleton`` pickled (where :meth:`write` left it an object: :func:`flatten`'s copy of
+        the non-tensor parts), ``.metadata`` and the seal."""
         try:
             pending.wait(self._hasher())  # CUDA: the copies landed, their checksums
+            if not isinstance(skeleton, bytes):
+                skeleton = skeleton_bytes(skeleton)
             self._finish(slot, file, skeleton, written, seal)
         except BaseException as exc:  # noqa: BLE001 - raised by wait_sealed / the next write
             self._failure = exc

@@ -75,13 +75,14 @@ def signature(flat: Mapping[str, Any], pinned: bool | None = None) -> tuple[Any,
     pinning (``pinned`` where given: where the bytes are written from), in order; ``None``
     when ``flat`` is not a skeleton plus plain tensors (then DCP plans the save)."""
     entries = []
+    append = entries.append  # per tensor of every save: is_plain inlined, no lookups in the loop
+    tensor_type, strided = torch.Tensor, torch.strided
     for key, value in flat.items():
         if key == SKELETON_KEY:
             continue
-        if not (isinstance(value, torch.Tensor) and is_plain(value)):
-            return None
-        entries.append((key, value.shape, value.dtype, value.requires_grad,
-                        value.is_pinned() if pinned is None else pinned))
+        if type(value) is not tensor_type or value.layout != strided or value.is_quantized:
+            return None  # not is_plain
+        append((key, value.shape, value.dtype, value.requires_grad, value.is_pinned() if pinned is None else pinned))
     return tuple(entries)
 
 

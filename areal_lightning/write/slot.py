@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from areal_lightning._fault import fault_point
-from areal_lightning._torch_internals import DATA_SUFFIX
+from areal_lightning._torch_internals import DATA_SUFFIX, copy_tensors
 from areal_lightning.stage.host import register_host, unregister_host
 from areal_lightning.write.checksum import ITEM_CHECKSUM, Written, crc32c
 from areal_lightning.write.direct import ByteLayout, write_metadata
@@ -59,63 +59,125 @@ COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_
 """Threads a slot's copy is split over (each copies and checksums its share of the items)."""
 
 
-_ITEM_COST = 32 << 10
-"""An item's fixed cost (a few microseconds of Python), in bytes copied in that time."""
-
 _SMALL = 128 << 10
-"""Items under this size are copied in the calling thread (see :func:`_shares`)."""
+"""Items under this size are copied a group at a time (see :class:`_Unit`)."""
+
+_GROUP = _CHUNK
+"""Bytes of a group of consecutive small items, copied by one call, then checksummed while in
+cache (groups of 128 KB made the 2,000-tensor save twice as slow: the GIL changes hands at
+every call; groups of 4 MB outgrow the cache: measured)."""
+
+_ITEM_COST = 4 << 10
+"""An item's fixed cost in a group (about a microsecond: its copy's dispatch, its checksum call),
+in bytes copied in that time."""
 
 
-def _shares(items: list[Any], k: int) -> list[list[Any]]:
-    """``items`` split into ``k`` lists of about equal cost, each in file order: the items under
-    :data:`_SMALL` all in the first (the calling thread's: each is a few microseconds of Python, and
-    threads taking turns at the GIL for them cost more than they save, measured), the others
-    largest first to the least loaded (an item costing its bytes plus :data:`_ITEM_COST`)."""
+class _Unit:
+    """What one call copies: a large item (chunk by chunk, each chunk checksummed right after
+    its copy), or a group of consecutive small ones, copied into ``typed`` (views of their slot
+    bytes with their shapes and dtypes) by one call that releases the GIL, then each
+    checksummed; ``loose``: those of the group whose dtype cannot view their bytes at their
+    offset (an odd-sized item before them), copied one by one. Items copied one at a time by
+    threads taking turns at the GIL cost more than one thread copying them all (measured);
+    groups spread over the threads do not."""
+
+    __slots__ = ("entries", "grouped", "keys", "typed", "loose", "cost")
+
+    def __init__(self, entries: list[Any], specs: Mapping[str, tuple[Any, torch.dtype]] | None = None) -> None:
+        self.entries = entries
+        views = [_typed(entry[1], *specs[entry[0].key]) if specs is not None else None for entry in entries]
+        self.grouped = [entry for entry, view in zip(entries, views) if view is not None]
+        self.keys = [entry[0].key for entry in self.grouped]
+        self.typed = [view for view in views if view is not None]
+        self.loose = [entry for entry, view in zip(entries, views) if view is None]
+        self.cost = sum(entry[0].nbytes for entry in entries) + _ITEM_COST * len(entries)
+
+
+def _typed(view: torch.Tensor, shape: Any, dtype: torch.dtype) -> torch.Tensor | None:
+    """The slot bytes ``view`` as a tensor of ``shape`` and ``dtype`` (``None``: not aligned for it)."""
+    try:
+        return view.view(dtype).view(shape)
+    except RuntimeError:
+        return None
+
+
+def _units(items: list[Any], specs: Mapping[str, tuple[Any, torch.dtype]]) -> list[_Unit]:
+    """``items`` (entries in file order) as units: each item of :data:`_SMALL` bytes or more its
+    own; runs of smaller ones in groups of up to :data:`_GROUP` bytes. ``specs``: each key's
+    shape and dtype."""
+    units: list[_Unit] = []
+    run: list[Any] = []
+    size = 0
+    for entry in items:
+        nbytes = entry[0].nbytes
+        if run and (nbytes >= _SMALL or size + nbytes > _GROUP):
+            units.append(_Unit(run, specs))
+            run, size = [], 0
+        if nbytes >= _SMALL:
+            units.append(_Unit([entry]))
+        else:
+            run.append(entry)
+            size += nbytes
+    if run:
+        units.append(_Unit(run, specs))
+    return units
+
+
+def _shares(units: list[_Unit], k: int) -> list[list[_Unit]]:
+    """``units`` split into up to ``k`` lists of about equal cost (largest first to the least
+    loaded), each in file order."""
     shares: list[list[int]] = [[] for _ in range(k)]
     loads = [0] * k
-    for i, entry in enumerate(items):
-        if entry[0].nbytes < _SMALL:
-            shares[0].append(i)
-            loads[0] += entry[0].nbytes + _ITEM_COST
-    for i in sorted((i for i in range(len(items)) if items[i][0].nbytes >= _SMALL), key=lambda i: -items[i][0].nbytes):
+    for i in sorted(range(len(units)), key=lambda i: -units[i].cost):
         least = loads.index(min(loads))
         shares[least].append(i)
-        loads[least] += items[i][0].nbytes + _ITEM_COST
-    return [[items[i] for i in sorted(share)] for share in shares if share]
+        loads[least] += units[i].cost
+    return [[units[i] for i in sorted(share)] for share in shares if share]
 
 
-def _copy_share(share: list[tuple[Any, torch.Tensor, int, memoryview]], flat: Mapping[str, Any], fault: bool) -> None:
-    """Copy each item of ``share`` into the slot and put its CRC32C on its record: a contiguous
-    host tensor by ``memmove`` one chunk at a time, each chunk checksummed right after its copy
-    (on the slot's bytes, ``mapped``: a view made with the layout); others by ``copy_``, then
-    checksummed. ``fault``: this share hits ``memory.mid_copy`` halfway."""
+def _copy_share(share: list[_Unit], flat: Mapping[str, Any], fault: bool) -> None:
+    """Copy each unit of ``share`` into the slot and put each item's CRC32C on its record: a
+    group by one call, then each item checksummed (on the slot's bytes, ``mapped``: a view made
+    with the layout) while in cache; a contiguous host tensor by ``memmove`` one chunk at a
+    time, each chunk checksummed right after its copy; others by ``copy_``, then checksummed.
+    ``fault``: this share hits ``memory.mid_copy`` halfway."""
     half = len(share) // 2
-    for i, (item, view, address, mapped) in enumerate(share):
+    for i, unit in enumerate(share):
         if fault and i == half:
             fault_point("memory.mid_copy")
-        tensor = flat[item.key]
-        nbytes = item.nbytes
-        if tensor.is_cpu and tensor.is_contiguous():
-            source = tensor.data_ptr()
-            if nbytes <= _CHUNK:
-                ctypes.memmove(address, source, nbytes)
-                value = crc32c(mapped)
-            else:
-                value = 0
-                for offset in range(0, nbytes, _CHUNK):
-                    size = min(_CHUNK, nbytes - offset)
-                    ctypes.memmove(address + offset, source + offset, size)
-                    value = crc32c(mapped[offset:offset + size], value)
-        else:
-            view.copy_(tensor.detach().reshape(-1).view(torch.uint8))
+        if unit.typed:
+            copy_tensors(unit.typed, [flat[key] for key in unit.keys])
+            for item, _view, _address, mapped in unit.grouped:
+                setattr(item.info, ITEM_CHECKSUM, crc32c(mapped))
+        for item, view, address, mapped in unit.loose:
+            _copy_item(item, view, address, mapped, flat[item.key])
+
+
+def _copy_item(item: Any, view: torch.Tensor, address: int, mapped: memoryview, tensor: torch.Tensor) -> None:
+    """One item of :func:`_copy_share` copied on its own."""
+    nbytes = item.nbytes
+    if tensor.is_cpu and tensor.is_contiguous():
+        source = tensor.data_ptr()
+        if nbytes <= _CHUNK:
+            ctypes.memmove(address, source, nbytes)
             value = crc32c(mapped)
-        setattr(item.info, ITEM_CHECKSUM, value)
+        else:
+            value = 0
+            for offset in range(0, nbytes, _CHUNK):
+                size = min(_CHUNK, nbytes - offset)
+                ctypes.memmove(address + offset, source + offset, size)
+                value = crc32c(mapped[offset:offset + size], value)
+    else:
+        view.copy_(tensor.detach().reshape(-1).view(torch.uint8))
+        value = crc32c(mapped)
+    setattr(item.info, ITEM_CHECKSUM, value)
 
 
-def _checksum_share(share: list[tuple[Any, torch.Tensor, int, memoryview]]) -> None:
+def _checksum_share(share: list[_Unit]) -> None:
     """Put the CRC32C of each item's slot bytes on its record (after a device copy landed)."""
-    for item, _view, _address, mapped in share:
-        setattr(item.info, ITEM_CHECKSUM, crc32c(mapped))
+    for unit in share:
+        for item, _view, _address, mapped in unit.entries:
+            setattr(item.info, ITEM_CHECKSUM, crc32c(mapped))
 
 
 def _run_shares(function: Callable[..., None], shares: list[list[Any]], pool: Executor | None, *args: Any) -> None:
@@ -153,7 +215,7 @@ class PendingCopy:
         if self._done is not None:
             self._done.synchronize()
         if self._shares:
-            shares = self._shares if pool is not None else [[entry for share in self._shares for entry in share]]
+            shares = self._shares if pool is not None else [[unit for share in self._shares for unit in share]]
             _run_shares(_checksum_share, shares, pool)
 
 
@@ -188,7 +250,9 @@ class SlotFile:
         base = self.data.data_ptr() if self.nbytes else 0
         self._items = [(item, view, base + item.offset, tensor_bytes(view)) for item, view in self.views if item.nbytes]
         self._empty_items = [(item, view) for item, view in self.views if item.nbytes == 0]
-        self._shares: list[list[Any]] | None = None
+        specs = {fqn: (shape, dtype) for fqn, shape, dtype, *_ in layout.key}
+        self._units = _units(self._items, specs)
+        self._shares: list[list[_Unit]] | None = None
         self._shares_for = 0  # the thread count _shares was made for
         self._pinned: bool | None = None  # CUDA: whether the mapping is page-locked (None: not tried)
 
@@ -216,8 +280,8 @@ class SlotFile:
         done = self._copy_device(flat, device, stream, late or (lambda tensor: False)) if device else None
         try:
             if device:
-                _run_shares(_copy_share, _shares([e for e in self._items if not flat[e[0].key].is_cuda], k), pool,
-                            flat, False)
+                host = [_Unit([e]) for e in self._items if not flat[e[0].key].is_cuda]
+                _run_shares(_copy_share, _shares(host, k), pool, flat, False)
             else:
                 _run_shares(_copy_share, self._split(k), pool, flat, True)
         except BaseException:
@@ -226,7 +290,7 @@ class SlotFile:
             raise
         for item, _ in self._empty_items:
             setattr(item.info, ITEM_CHECKSUM, crc32c(b""))
-        return PendingCopy(done, _shares(device, k), bool(device), bool(self._pinned))
+        return PendingCopy(done, _shares([_Unit([e]) for e in device], k), bool(device), bool(self._pinned))
 
     def _copy_device(self, flat: Mapping[str, Any], device: list[Any], stream: Any,
                      late: Callable[[torch.Tensor], bool]) -> Any:
@@ -270,10 +334,10 @@ class SlotFile:
         current.wait_event(first)  # the next step's kernels run after the early part landed
         return done
 
-    def _split(self, k: int) -> list[list[Any]]:
-        """The items' shares for ``k`` threads (made once per ``k``)."""
+    def _split(self, k: int) -> list[list[_Unit]]:
+        """The units' shares for ``k`` threads (made once per ``k``)."""
         if self._shares is None or self._shares_for != k:
-            self._shares, self._shares_for = _shares(self._items, k), k
+            self._shares, self._shares_for = _shares(self._units, k), k
         return self._shares
 
     def finish(self, skeleton: bytes, written: Written) -> None:
@@ -296,5 +360,5 @@ class SlotFile:
         if self._pinned:
             unregister_host(self.data.data_ptr())
             self._pinned = None
-        self.views, self._items, self._empty_items, self._shares = [], [], [], None
+        self.views, self._items, self._empty_items, self._units, self._shares = [], [], [], [], None
         self.data = torch.empty(0, dtype=torch.uint8)
