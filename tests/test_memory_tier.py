@@ -68,20 +68,38 @@ def loader() -> DataLoader:
                       batch_size=4, shuffle=True)
 
 
+class SignalAt(pl.Callback):
+    """Sends a real signal to this process at the end of a step (before RecoverCallback's hook)."""
+
+    def __init__(self, step: int, sig: int) -> None:
+        self.step, self.sig = step, sig
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.sig)
+
+
 def run(root: Path, crash: int | None = None, memory: Any = True, freq_steps: int | None = 4,
-        fileroot: str | None = None) -> Net:
+        fileroot: str | None = None, signal_at: tuple[int, int] | None = None, **options: Any) -> Net:
     """One fit of 2 epochs of 10 steps; the shared tier every ``freq_steps`` steps (in ``root``, or
     ``fileroot``), the memory tier in ``{root}/shm``; ``crash``: an exception at that step, before
-    its save point."""
+    its save point; ``signal_at``: (step, signal) sent at that step's end (the run's exit code is
+    then the module's ``exit_code``)."""
     pl.seed_everything(0, verbose=False)
     net = Net()
     if memory is True:
         memory = {"root": str(root / "shm")}
-    recover = RecoverCallback(fileroot=fileroot or str(root), **WHERE, freq_steps=freq_steps, memory=memory)
-    trainer = make_trainer(([CrashAt(crash)] if crash else []) + [recover])
+    recover = RecoverCallback(fileroot=fileroot or str(root), **WHERE, freq_steps=freq_steps, memory=memory,
+                              **options)
+    trainer = make_trainer(([CrashAt(crash)] if crash else []) + ([SignalAt(*signal_at)] if signal_at else [])
+                           + [recover])
     if crash:
         with pytest.raises(Crash):
             trainer.fit(net, loader())
+    elif signal_at:
+        with pytest.raises(SystemExit) as stopped:
+            trainer.fit(net, loader())
+        net.exit_code = stopped.value.code
     else:
         trainer.fit(net, loader())
     return net
@@ -152,6 +170,34 @@ def test_a_flipped_byte_falls_back_to_the_older_slot_then_to_the_shared_tier(tmp
     else:
         assert "step 5: rank 0:" in skipped[0] and "using the shared tier" in skipped[0]
         assert "resuming from the shared tier" in caplog.text and min(second.losses) == 5
+    assert {**first.losses, **second.losses} == reference
+
+
+@pytest.mark.parametrize("signal_name, node_lost", [("SIGTERM", False), ("SIGUSR1", True)])
+def test_a_preempted_run_persists_its_newest_slot_to_the_shared_tier_and_exits_75(
+        tmp_path, reference, caplog, signal_name, node_lost) -> None:
+    """A preemption signal at step 7 (the shared tier due every 4 steps, the memory tier every
+    step): step 7's slot is copied into the shared tier before the run exits 75; the same command
+    resumes at step 8, from the memory tier, or on another node (the tier gone) from the shared
+    tier; bit for bit."""
+    import signal
+
+    options = dict(preempt_signals=["SIGTERM", "SIGUSR1"])
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        first = run(tmp_path, signal_at=(7, getattr(signal, signal_name)), **options)
+    assert first.exit_code == 75
+    assert f"{signal_name}: the recover checkpoint of global step 7 is durable" in caplog.text
+    assert re.search(r"copied [0-9.]+ MB of its memory-tier slot \d", caplog.text), caplog.text
+    info = tmp_path / "checkpoints" / "u" / "e" / "t" / "recover_info"
+    assert json.loads((info / "step_info.json").read_text())["global_step"] == 6  # 0-based: step 7
+    assert seals(tmp_path) and max(seals(tmp_path).values()) == 7
+    if node_lost:
+        shutil.rmtree(tmp_path / "shm")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="areal_lightning"):
+        second = run(tmp_path, **options)
+    assert f"resuming from the {'shared' if node_lost else 'memory'} tier" in caplog.text
+    assert min(second.losses) == 8 and max(first.losses) == 7  # nothing trained twice
     assert {**first.losses, **second.losses} == reference
 
 
