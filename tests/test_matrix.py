@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 from tests.harness.refcache import environment_key, shared
+from tests.harness.stacks import native_stacks
 from tests.scripts import train_matrix as tm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -322,9 +323,18 @@ def _command(job: Job, root: Path, trace: Path, *extra: str) -> list[str]:
 
 
 def script_run(job: Job, root: Path, trace: Path) -> list[dict]:
-    proc = subprocess.run(_command(job, root, trace), capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=_env(), check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(root / f"{trace.name}.log", "w+") as log:
+        proc = subprocess.Popen(_command(job, root, trace), stdout=subprocess.DEVNULL, stderr=log, cwd=REPO,
+                                env=_env(), start_new_session=True)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            stacks = native_stacks(proc.pid)  # what each process of the hung job is doing
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"the job did not end in 300 s; its processes:\n{stacks}") from None
+        log.seek(0)
+        assert proc.returncode == 0, log.read()[-4000:]
     return [json.loads(Path(f"{trace}.result.rank{r}.json").read_text()) for r in range(job.devices)]
 
 
@@ -337,7 +347,7 @@ def script_run_killed(job: Job, root: Path, trace: Path, step: int) -> None:
             deadline = time.monotonic() + 300
             while not all(Path(f"{trace}.paused.rank{r}").exists() for r in range(job.devices)):
                 assert proc.poll() is None, (root / "killed.log").read_text()[-4000:]
-                assert time.monotonic() < deadline, "the job never reached the kill step"
+                assert time.monotonic() < deadline, f"the job never reached the kill step:\n{native_stacks(proc.pid)}"
                 time.sleep(0.05)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)  # every rank (Lightning's DDP launcher children too)

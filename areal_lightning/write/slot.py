@@ -8,8 +8,8 @@ mapped (``MAP_SHARED``; on tmpfs the mapping *is* the file's memory). A save is
 
 * :meth:`SlotFile.copy` -- at the save point, each host tensor's bytes copied into its place in
   the mapping (a memcpy) a chunk at a time, each chunk's CRC32C computed right after its copy,
-  while it is in the CPU's cache; the items split over a few threads. It returns a
-  :class:`PendingCopy`;
+  while it is in the CPU's cache; small tensors a group of about 1 MB at a time, by one call
+  (:class:`_Unit`); the work split over a few threads. It returns a :class:`PendingCopy`;
 * :meth:`PendingCopy.wait` -- on CUDA, the device copies landed and their CRC32Cs;
 * :meth:`SlotFile.finish` -- the skeleton after the tensors, ``.metadata``.
 
