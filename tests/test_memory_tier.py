@@ -545,3 +545,46 @@ def test_a_slot_holds_every_kind_of_tensor_bit_for_bit_and_changes_between_saves
     finally:
         engine.close()
         tier.close()
+
+
+def test_with_device_tensors_the_host_ones_are_copied_and_the_device_ones_checksummed_once_landed(
+        tmp_path) -> None:
+    """The CUDA path's split of a slot's items, on CPU: the host tensors' units are copied at the
+    save point, the device tensors' (here copied by hand, as the DMA would) only checksummed by
+    :class:`PendingCopy` -- small ones in groups, spread over the threads; every item's bytes
+    and CRC32C then verify, and the split is made once per set of device tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from areal_lightning.commit.manifest import verify_mapped
+    from areal_lightning.write.checksum import Written, crc32c, item_checksum
+    from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
+    from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
+    from areal_lightning.write.slot import PendingCopy, SlotFile, _copy_share, _run_shares
+
+    gen = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(100 + i, generator=gen) for i in range(60)}
+    state["big"] = torch.randn(300_000, generator=gen)
+    flat = flatten({"state_dict": state})
+    skeleton = skeleton_bytes(flat.pop(SKELETON_KEY))
+    file = SlotFile(tmp_path / "slot", ByteLayout(signature(flat, pinned=False), 1))
+    items = file._items
+    device = [entry for i, entry in enumerate(items) if i % 2 == 0 or entry[0].nbytes > 1 << 20]
+    with ThreadPoolExecutor(1) as pool:
+        host_shares, device_shares = file._split_device(device, 2)
+        assert file._split_device(list(device), 2)[1] is device_shares  # made once
+        copied = {e[0].key for share in host_shares for u in share for e in u.entries}
+        landed = {e[0].key for share in device_shares for u in share for e in u.entries}
+        assert copied.isdisjoint(landed) and copied | landed == {e[0].key for e in items}
+        assert any(len(u.entries) > 1 for share in device_shares for u in share)  # grouped
+        _run_shares(_copy_share, host_shares, pool, flat, False)
+        for item, view, _address, _mapped in device:  # the "DMA"
+            view.copy_(flat[item.key].reshape(-1).view(torch.uint8))
+        PendingCopy(None, device_shares, True, True).wait(pool)
+    file.finish(skeleton, Written())
+    assert verify_mapped(tmp_path / "slot", "damaged") > 0
+    raw = (tmp_path / "slot" / "__0_0.distcp").read_bytes()
+    for item, _view, _address, _mapped in items:
+        data = raw[item.offset:item.offset + item.nbytes]
+        assert data == flat[item.key].numpy().tobytes(), item.key
+        assert item_checksum(item.info) == crc32c(data), item.key  # the CRC32C .metadata records
+    file.close()

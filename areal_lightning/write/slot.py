@@ -101,10 +101,10 @@ def _typed(view: torch.Tensor, shape: Any, dtype: torch.dtype) -> torch.Tensor |
         return None
 
 
-def _units(items: list[Any], specs: Mapping[str, tuple[Any, torch.dtype]]) -> list[_Unit]:
+def _units(items: list[Any], specs: Mapping[str, tuple[Any, torch.dtype]] | None = None) -> list[_Unit]:
     """``items`` (entries in file order) as units: each item of :data:`_SMALL` bytes or more its
     own; runs of smaller ones in groups of up to :data:`_GROUP` bytes. ``specs``: each key's
-    shape and dtype."""
+    shape and dtype (``None``: groups without typed views, for checksums only)."""
     units: list[_Unit] = []
     run: list[Any] = []
     size = 0
@@ -250,8 +250,9 @@ class SlotFile:
         base = self.data.data_ptr() if self.nbytes else 0
         self._items = [(item, view, base + item.offset, tensor_bytes(view)) for item, view in self.views if item.nbytes]
         self._empty_items = [(item, view) for item, view in self.views if item.nbytes == 0]
-        specs = {fqn: (shape, dtype) for fqn, shape, dtype, *_ in layout.key}
-        self._units = _units(self._items, specs)
+        self._specs = {fqn: (shape, dtype) for fqn, shape, dtype, *_ in layout.key}
+        self._units = _units(self._items, self._specs)
+        self._device_split: tuple[Any, ...] | None = None  # CUDA: (key, host shares, device shares)
         self._shares: list[list[_Unit]] | None = None
         self._shares_for = 0  # the thread count _shares was made for
         self._pinned: bool | None = None  # CUDA: whether the mapping is page-locked (None: not tried)
@@ -277,11 +278,11 @@ class SlotFile:
         tensors change and before the slot is sealed."""
         k = threads if pool is not None else 1
         device = [entry for entry in self._items if flat[entry[0].key].is_cuda] if stream is not None else []
+        host_shares, device_shares = self._split_device(device, k) if device else ([], [])
         done = self._copy_device(flat, device, stream, late or (lambda tensor: False)) if device else None
         try:
             if device:
-                host = [_Unit([e]) for e in self._items if not flat[e[0].key].is_cuda]
-                _run_shares(_copy_share, _shares(host, k), pool, flat, False)
+                _run_shares(_copy_share, host_shares, pool, flat, False)
             else:
                 _run_shares(_copy_share, self._split(k), pool, flat, True)
         except BaseException:
@@ -290,7 +291,7 @@ class SlotFile:
             raise
         for item, _ in self._empty_items:
             setattr(item.info, ITEM_CHECKSUM, crc32c(b""))
-        return PendingCopy(done, _shares([_Unit([e]) for e in device], k), bool(device), bool(self._pinned))
+        return PendingCopy(done, device_shares, bool(device), bool(self._pinned))
 
     def _copy_device(self, flat: Mapping[str, Any], device: list[Any], stream: Any,
                      late: Callable[[torch.Tensor], bool]) -> Any:
@@ -340,6 +341,17 @@ class SlotFile:
             self._shares, self._shares_for = _shares(self._units, k), k
         return self._shares
 
+    def _split_device(self, device: list[Any], k: int) -> tuple[list[list[_Unit]], list[list[_Unit]]]:
+        """With CUDA tensors ``device`` (entries): the shares of the host tensors' units (copied at
+        the save point) and of the device tensors' units (only checksummed, once landed: small
+        ones in groups, so threads do not take turns at the GIL per item); made once per set of
+        device tensors and ``k``."""
+        key = (frozenset(entry[0].key for entry in device), k)
+        if self._device_split is None or self._device_split[0] != key:
+            host = [entry for entry in self._items if entry[0].key not in key[0]]
+            self._device_split = (key, _shares(_units(host, self._specs), k), _shares(_units(device), k))
+        return self._device_split[1], self._device_split[2]
+
     def finish(self, skeleton: bytes, written: Written) -> None:
         """After :meth:`copy`: the ``skeleton`` after the tensors, then ``.metadata`` (after the
         fault point ``memory.before_metadata``); what was written goes to ``written``."""
@@ -361,4 +373,5 @@ class SlotFile:
             unregister_host(self.data.data_ptr())
             self._pinned = None
         self.views, self._items, self._empty_items, self._units, self._shares = [], [], [], [], None
+        self._device_split = None
         self.data = torch.empty(0, dtype=torch.uint8)
