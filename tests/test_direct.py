@@ -9,6 +9,7 @@ fall back to DCP wherever planning is needed, and a save must fail as a whole.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,48 @@ def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> 
     assert set(engine.staging_buffers) == set(flatten(state)) - {SKELETON_KEY}
     engine.close()
     assert engine.staging_buffers is None
+
+
+def _save_into(path: Path, state: dict, layout: "direct.ByteLayout | None" = None) -> "direct.ByteLayout":
+    flat = flatten(state)
+    skeleton = direct.skeleton_bytes(flat.pop(SKELETON_KEY))
+    layout = layout or direct.ByteLayout(direct.signature(flat, pinned=False), 2)
+    path.mkdir(exist_ok=True)
+    direct.save(direct.tensors_of(flat), skeleton, path, layout, direct.Written())
+    return layout
+
+
+def test_repeated_saves_into_one_folder_write_metadata_from_its_pickle_made_once(tmp_path: Path) -> None:
+    """From the second save of a layout into the same folder (the memory tier's slots), ``.metadata``
+    is the layout's pickle with this save's checksums, skeleton length and save id written in:
+    it unpickles to what pickling the ``Metadata`` again gives, stock DCP's reader reads it, and
+    our loader checks every item's checksum against the bytes."""
+    from areal_lightning.write.checksum import ITEM_CHECKSUM
+
+    engine = DCPEngine()
+    layout = None
+    for step, grown in ((1, 0), (2, 40), (3, 7)):
+        layout = _save_into(tmp_path / "slot", _state(step, grown), layout)
+        assert (layout._pickled[2] is not None) == (step > 1)  # made at the second save
+        ours = FileSystemReader(tmp_path / "slot").read_metadata()
+        fresh = pickle.loads(pickle.dumps(layout.metadata))
+        assert ours.state_dict_metadata == fresh.state_dict_metadata and ours.version == fresh.version
+        assert (ours.storage_meta.checkpoint_id, ours.storage_meta.save_id) == \
+            (fresh.storage_meta.checkpoint_id, fresh.storage_meta.save_id) != (tmp_path / "slot", direct._SAVE_ID_SENTINEL)
+        records = {index: (info.relative_path, info.offset, info.length, info.transform_descriptors,
+                           getattr(info, ITEM_CHECKSUM)) for index, info in fresh.storage_data.items()}
+        assert {index: (info.relative_path, info.offset, info.length, info.transform_descriptors,
+                        getattr(info, ITEM_CHECKSUM)) for index, info in ours.storage_data.items()} == records
+        loaded = engine.load(tmp_path / "slot")  # every item's CRC32C checked as it is read
+        expected = _state(step, grown)
+        for key, tensor in expected["state_dict"].items():
+            assert torch.equal(loaded["state_dict"][key], tensor)
+        assert loaded["log"] == expected["log"]
+    engine.close()
+    # a placeholder found twice in the pickle (here: a key holding the save id's): pickled as before
+    state = _state()
+    state["state_dict"][direct._SAVE_ID_SENTINEL] = torch.ones(2)
+    layout = _save_into(tmp_path / "odd", state)
+    _save_into(tmp_path / "odd", state, layout)
+    assert layout._pickled[1] == 2 and layout._pickled[2] is None
+    assert FileSystemReader(tmp_path / "odd").read_metadata().storage_meta.save_id != direct._SAVE_ID_SENTINEL

@@ -140,9 +140,9 @@ def _gate_commit(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
         assert gate.wait(30), "test gate never opened"
         original(self, metadata, results)
 
-    def gated_commit(*args):  # type: ignore[no-untyped-def]
+    def gated_commit(*args, **kwargs):  # type: ignore[no-untyped-def]
         assert gate.wait(30), "test gate never opened"
-        direct_commit(*args)
+        direct_commit(*args, **kwargs)
 
     monkeypatch.setattr(writer_mod.HashingWriter, "finish", gated_finish)  # saves DCP plans
     monkeypatch.setattr(direct, "write_metadata", gated_commit)  # saves that need no plan

@@ -15,7 +15,8 @@ stores) goes through DCP.
   per-item records sharing equal objects (one ``TensorProperties`` per dtype, one
   ``torch.Size`` per shape): with 2,000 tensors the pickle is four fifths of DCP's size and
   takes a third of its time to write and to read. A save of the same keys, shapes and dtypes reuses it as it is, only
-  the checksums and the skeleton's length change.
+  the checksums and the skeleton's length change; from its second save into the same folder
+  (the memory tier's slots) its pickle too (:class:`PickledMetadata`).
 * :func:`save` writes the files (one thread per file, each tensor's bytes CRC32C'd as they
   are written), fsyncs them, then ``.metadata`` (tmp file, fsync, rename) and the
   directory, with the engine's fault points, and records what it wrote
@@ -143,6 +144,19 @@ class ByteLayout:
         storage[MetadataIndex(SKELETON_KEY)] = self.skeleton
         self.metadata = Metadata(state_dict_metadata=entries, planner_data=None, storage_data=storage,
                                  version=CURRENT_DCP_VERSION)
+        self._pickled: tuple[str, int, PickledMetadata | None] = ("", 0, None)  # (folder, saves there, pickle)
+
+    def pickled_for(self, path: Path | str) -> PickledMetadata | None:
+        """The :class:`PickledMetadata` of this layout for the folder ``path``, made at the second
+        save into it in a row (``None`` at the first, or where it cannot be made)."""
+        where, saves, pickled = self._pickled
+        if where != str(path):
+            self._pickled = (str(path), 1, None)  # the first save here: pickled as it is
+            return None
+        if saves == 1 or (pickled is not None and pickled.skeleton_offset != self.skeleton.offset):
+            pickled = PickledMetadata.build(self, path)
+            self._pickled = (where, 2, pickled)
+        return pickled
 
 
 def tensors_of(flat: Mapping[str, Any]) -> Callable[[Any], Any]:
@@ -209,7 +223,7 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
         written.hash_s += hash_s
     written.items = sum(len(items) for items in layout.files) + 1
 
-    write_metadata(path, layout.metadata, written)
+    write_metadata(path, layout.metadata, written, layout=layout)
 
 
 def _dump_metadata(metadata: Metadata, checkpoint_id: Path | str, raw: Any) -> HashingStream:
@@ -222,16 +236,98 @@ def _dump_metadata(metadata: Metadata, checkpoint_id: Path | str, raw: Any) -> H
     return stream
 
 
+_CRC_SENTINEL = 0x8000_0000
+"""Placeholders of the items' CRC32Cs in a :class:`PickledMetadata` (``_CRC_SENTINEL + i``:
+each pickles as a 5-byte ``LONG1``, as does every CRC32C written over it)."""
+
+_LENGTH_SENTINEL = 0x7F_A5E1_E700
+"""Placeholder of the skeleton's length (a 5-byte ``LONG1`` too)."""
+
+_SAVE_ID_SENTINEL = "a5e1e700-0000-4000-8000-000000000000"
+"""Placeholder of the save id (a uuid4 string: 36 characters, as every save id)."""
+
+
+def _long1(value: int) -> bytes:
+    """``value`` as pickle's ``LONG1`` opcode with 5 bytes (how a :class:`PickledMetadata`
+    writes an int; any unpickler reads it as that int)."""
+    return b"\x8a\x05" + value.to_bytes(5, "little", signed=True)
+
+
+class PickledMetadata:
+    """A layout's ``.metadata`` for one folder, pickled once with placeholders where a save of
+    the same layout changes it (each item's CRC32C, the skeleton's length, the save id); each
+    save then writes those into a copy of the bytes: with 2,000 items about a millisecond
+    against 13 ms for pickling DCP's ``Metadata`` again (``_StorageInfo.__getstate__`` is
+    Python, per item). The bytes unpickle to what pickling it again would give. ``None`` from
+    :meth:`build` where a placeholder is not found exactly once (then the caller pickles)."""
+
+    def __init__(self, data: bytes, infos: list[Any], crc_at: list[int], length_at: int, save_id_at: int) -> None:
+        self.data = data
+        self.skeleton_offset = infos[-1].offset
+        """Where the skeleton was when pickled (it follows the tensors: fixed per layout)."""
+        self.infos = infos
+        self.crc_at = crc_at
+        self.length_at = length_at
+        self.save_id_at = save_id_at
+
+    @classmethod
+    def build(cls, layout: ByteLayout, checkpoint_id: Path | str) -> PickledMetadata | None:
+        metadata = layout.metadata
+        infos = [item.info for items in layout.files for item in items] + [layout.skeleton]
+        kept = [(getattr(info, ITEM_CHECKSUM, None), info.length) for info in infos]
+        try:
+            for i, info in enumerate(infos):
+                setattr(info, ITEM_CHECKSUM, _CRC_SENTINEL + i)
+            layout.skeleton.length = _LENGTH_SENTINEL
+            metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=_SAVE_ID_SENTINEL)
+            data = pickle.dumps(metadata)
+        finally:
+            for info, (crc, length) in zip(infos, kept):
+                setattr(info, ITEM_CHECKSUM, crc)
+                info.length = length
+        found: dict[int, list[int]] = {}
+        at = data.find(b"\x8a\x05")
+        while at >= 0:
+            found.setdefault(int.from_bytes(data[at + 2:at + 7], "little", signed=True), []).append(at)
+            at = data.find(b"\x8a\x05", at + 1)
+        wanted = [_CRC_SENTINEL + i for i in range(len(infos))] + [_LENGTH_SENTINEL]
+        save_id = _SAVE_ID_SENTINEL.encode()
+        if any(len(found.get(value, ())) != 1 for value in wanted) or data.count(save_id) != 1:
+            return None
+        return cls(data, infos, [found[value][0] for value in wanted[:-1]], found[_LENGTH_SENTINEL][0],
+                   data.index(save_id))
+
+    def bytes_for(self, save_id: str) -> bytes:
+        """The pickle with the records' CRC32Cs, the skeleton's length and ``save_id`` now."""
+        out = bytearray(self.data)
+        for at, info in zip(self.crc_at, self.infos):
+            out[at:at + 7] = _long1(getattr(info, ITEM_CHECKSUM))
+        out[self.length_at:self.length_at + 7] = _long1(self.infos[-1].length)
+        out[self.save_id_at:self.save_id_at + 36] = save_id.encode()
+        return bytes(out)
+
+
 def write_metadata(path: Path, metadata: Metadata, written: Written, *,
-                   points: tuple[str | None, str | None] = ("engine.before_commit", "engine.after_commit")) -> None:
+                   points: tuple[str | None, str | None] = ("engine.before_commit", "engine.after_commit"),
+                   layout: ByteLayout | None = None) -> None:
     """Write ``metadata`` as the commit marker of ``path`` (tmp file, fsync, rename, directory
     fsync), between the fault ``points`` (default ``engine.before_commit`` and
-    ``engine.after_commit``; ``None``: none); its size and the manifest go to ``written``."""
+    ``engine.after_commit``; ``None``: none); its size and the manifest go to ``written``.
+    ``layout`` (whose ``metadata`` this is): from its second save into the same ``path`` on, the
+    bytes come from its :class:`PickledMetadata` instead of a new pickle."""
     if points[0] is not None:
         fault_point(points[0])
     tmp = path / f"{COMMIT_MARKER}.tmp"
     with open(tmp, "wb") as raw:
-        stream = _dump_metadata(metadata, path, raw)
+        pickled = layout.pickled_for(path) if layout is not None else None
+        if pickled is not None:
+            save_id = str(uuid.uuid4())
+            metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=save_id)
+            stream = HashingStream(raw)
+            stream.write(pickled.bytes_for(save_id))
+            stream.tell()
+        else:
+            stream = _dump_metadata(metadata, path, raw)
         raw.flush()
         os.fsync(raw.fileno())
     os.replace(tmp, path / COMMIT_MARKER)

@@ -365,7 +365,7 @@ class SlotFile:
         written.nbytes += self.nbytes + len(skeleton)
         written.items = len(self.views) + 1
         fault_point("memory.before_metadata")
-        write_metadata(self.folder, self.layout.metadata, written, points=(None, None))
+        write_metadata(self.folder, self.layout.metadata, written, points=(None, None), layout=self.layout)
 
     def close(self) -> None:
         """Drop the mapping (the file stays); unregister it from CUDA first."""
