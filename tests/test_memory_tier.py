@@ -539,7 +539,7 @@ def test_a_slot_holds_every_kind_of_tensor_bit_for_bit_and_changes_between_saves
                 got = loaded["state_dict"][key]
                 assert got.dtype == value.dtype and torch.equal(got, value.detach()), key
             assert loaded["step"] == shift
-        units = [unit for file in tier._files.values() for unit in file._units]
+        units = [unit for file in tier._files.values() for share in file._split([], 2)[0] for unit in share]
         assert any(len(unit.typed) > 1 for unit in units)  # a group copied in one call
         assert any(unit.loose and unit.typed for unit in units)  # an item of a group its dtype cannot view
     finally:
@@ -570,8 +570,8 @@ def test_with_device_tensors_the_host_ones_are_copied_and_the_device_ones_checks
     items = file._items
     device = [entry for i, entry in enumerate(items) if i % 2 == 0 or entry[0].nbytes > 1 << 20]
     with ThreadPoolExecutor(1) as pool:
-        host_shares, device_shares = file._split_device(device, 2)
-        assert file._split_device(list(device), 2)[1] is device_shares  # made once
+        host_shares, device_shares = file._split(device, 2)
+        assert file._split(list(device), 2)[1] is device_shares  # made once
         copied = {e[0].key for share in host_shares for u in share for e in u.entries}
         landed = {e[0].key for share in device_shares for u in share for e in u.entries}
         assert copied.isdisjoint(landed) and copied | landed == {e[0].key for e in items}

@@ -226,12 +226,18 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
     write_metadata(path, layout.metadata, written, layout=layout)
 
 
-def _dump_metadata(metadata: Metadata, checkpoint_id: Path | str, raw: Any) -> HashingStream:
+def _dump_metadata(metadata: Metadata, checkpoint_id: Path | str, raw: Any,
+                   pickled: PickledMetadata | None = None) -> HashingStream:
     """Pickle ``metadata`` (stamped with ``checkpoint_id`` and a new save id) into ``raw``
-    through a :class:`HashingStream`: the whole pickle is one segment, whose CRC is the manifest's."""
-    metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4()))
+    through a :class:`HashingStream` (``pickled``: its bytes from there instead of a new
+    pickle): the whole pickle is one segment, whose CRC is the manifest's."""
+    save_id = str(uuid.uuid4())
+    metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
     stream = HashingStream(raw)
-    pickle.dump(metadata, stream)
+    if pickled is None:
+        pickle.dump(metadata, stream)
+    else:
+        stream.write(pickled.bytes_for(save_id))
     stream.tell()
     return stream
 
@@ -319,15 +325,7 @@ def write_metadata(path: Path, metadata: Metadata, written: Written, *,
         fault_point(points[0])
     tmp = path / f"{COMMIT_MARKER}.tmp"
     with open(tmp, "wb") as raw:
-        pickled = layout.pickled_for(path) if layout is not None else None
-        if pickled is not None:
-            save_id = str(uuid.uuid4())
-            metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=save_id)
-            stream = HashingStream(raw)
-            stream.write(pickled.bytes_for(save_id))
-            stream.tell()
-        else:
-            stream = _dump_metadata(metadata, path, raw)
+        stream = _dump_metadata(metadata, path, raw, layout.pickled_for(path) if layout is not None else None)
         raw.flush()
         os.fsync(raw.fileno())
     os.replace(tmp, path / COMMIT_MARKER)

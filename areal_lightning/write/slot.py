@@ -251,10 +251,7 @@ class SlotFile:
         self._items = [(item, view, base + item.offset, tensor_bytes(view)) for item, view in self.views if item.nbytes]
         self._empty_items = [(item, view) for item, view in self.views if item.nbytes == 0]
         self._specs = {fqn: (shape, dtype) for fqn, shape, dtype, *_ in layout.key}
-        self._units = _units(self._items, self._specs)
-        self._device_split: tuple[Any, ...] | None = None  # CUDA: (key, host shares, device shares)
-        self._shares: list[list[_Unit]] | None = None
-        self._shares_for = 0  # the thread count _shares was made for
+        self._split_made: tuple[Any, ...] | None = None  # (device keys and k, host shares, device shares)
         self._pinned: bool | None = None  # CUDA: whether the mapping is page-locked (None: not tried)
 
     @property
@@ -278,13 +275,10 @@ class SlotFile:
         tensors change and before the slot is sealed."""
         k = threads if pool is not None else 1
         device = [entry for entry in self._items if flat[entry[0].key].is_cuda] if stream is not None else []
-        host_shares, device_shares = self._split_device(device, k) if device else ([], [])
+        host_shares, device_shares = self._split(device, k)
         done = self._copy_device(flat, device, stream, late or (lambda tensor: False)) if device else None
         try:
-            if device:
-                _run_shares(_copy_share, host_shares, pool, flat, False)
-            else:
-                _run_shares(_copy_share, self._split(k), pool, flat, True)
+            _run_shares(_copy_share, host_shares, pool, flat, not device)  # the fault point: host-only saves
         except BaseException:
             if done is not None:
                 done.synchronize()  # the device copies end before the failure leaves the slot
@@ -335,22 +329,16 @@ class SlotFile:
         current.wait_event(first)  # the next step's kernels run after the early part landed
         return done
 
-    def _split(self, k: int) -> list[list[_Unit]]:
-        """The units' shares for ``k`` threads (made once per ``k``)."""
-        if self._shares is None or self._shares_for != k:
-            self._shares, self._shares_for = _shares(self._units, k), k
-        return self._shares
-
-    def _split_device(self, device: list[Any], k: int) -> tuple[list[list[_Unit]], list[list[_Unit]]]:
-        """With CUDA tensors ``device`` (entries): the shares of the host tensors' units (copied at
-        the save point) and of the device tensors' units (only checksummed, once landed: small
-        ones in groups, so threads do not take turns at the GIL per item); made once per set of
-        device tensors and ``k``."""
+    def _split(self, device: list[Any], k: int) -> tuple[list[list[_Unit]], list[list[_Unit]]]:
+        """For ``k`` threads: the shares of the host tensors' units (copied at the save point) and
+        of the CUDA tensors' (``device``, entries: only checksummed, once landed; small ones in
+        groups too, so threads do not take turns at the GIL per item); made once per set of CUDA
+        tensors and ``k``."""
         key = (frozenset(entry[0].key for entry in device), k)
-        if self._device_split is None or self._device_split[0] != key:
+        if self._split_made is None or self._split_made[0] != key:
             host = [entry for entry in self._items if entry[0].key not in key[0]]
-            self._device_split = (key, _shares(_units(host, self._specs), k), _shares(_units(device), k))
-        return self._device_split[1], self._device_split[2]
+            self._split_made = (key, _shares(_units(host, self._specs), k), _shares(_units(device), k))
+        return self._split_made[1], self._split_made[2]
 
     def finish(self, skeleton: bytes, written: Written) -> None:
         """After :meth:`copy`: the ``skeleton`` after the tensors, then ``.metadata`` (after the
@@ -372,6 +360,5 @@ class SlotFile:
         if self._pinned:
             unregister_host(self.data.data_ptr())
             self._pinned = None
-        self.views, self._items, self._empty_items, self._units, self._shares = [], [], [], [], None
-        self._device_split = None
+        self.views, self._items, self._empty_items, self._split_made = [], [], [], None
         self.data = torch.empty(0, dtype=torch.uint8)
