@@ -496,13 +496,20 @@ def test_a_seal_failing_in_the_background_on_one_rank_stops_every_rank_at_the_ne
     assert rank_losses(run, 2) == rank_losses(reference, 2)
 
 
-def test_a_slot_holds_every_kind_of_tensor_bit_for_bit_and_changes_between_saves(tmp_path) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["one-pass", "copy-then-checksum"])
+def test_a_slot_holds_every_kind_of_tensor_bit_for_bit_and_changes_between_saves(tmp_path, monkeypatch,
+                                                                                 fused) -> None:
     """The slot copy of :mod:`areal_lightning.write.slot`, in all its paths, read back by the
     loader a resume uses: small tensors in groups copied by one call (typed views of the slot),
     an item of a group its dtype cannot view at its offset (copied on its own), non-contiguous
     and grad-requiring sources, a 0-dim step, an empty tensor, a tensor of several chunks; then
-    a second save of changed values into the same layout (what every step after the first does)."""
+    a second save of changed values into the same layout (what every step after the first does).
+    Both ways of copying: the compiled one-pass copy and checksum, and the fallback."""
     from areal_lightning.commit.memory_tier import MemoryTier, verify_slot
+    from areal_lightning.write import slot
+
+    assert slot.FUSED or not fused, "the compiled _crc32c_copy is not built (see test_slot_copy.py)"
+    monkeypatch.setattr(slot, "FUSED", fused)
     from areal_lightning.config import MemoryConfig
     from areal_lightning.write.dcp import DCPEngine
 
@@ -539,16 +546,21 @@ def test_a_slot_holds_every_kind_of_tensor_bit_for_bit_and_changes_between_saves
                 got = loaded["state_dict"][key]
                 assert got.dtype == value.dtype and torch.equal(got, value.detach()), key
             assert loaded["step"] == shift
-        units = [unit for file in tier._files.values() for share in file._split([], 2)[0] for unit in share]
-        assert any(len(unit.typed) > 1 for unit in units)  # a group copied in one call
-        assert any(unit.loose and unit.typed for unit in units)  # an item of a group its dtype cannot view
+        shares = [share for file in tier._files.values() for share in file._split([], 2)[0]]
+        if fused:
+            assert all(isinstance(part, slot._Pass) for share in shares for part in share)
+        else:
+            units = [unit for share in shares for unit in share]
+            assert any(len(unit.typed) > 1 for unit in units)  # a group copied in one call
+            assert any(unit.loose and unit.typed for unit in units)  # an item of a group its dtype cannot view
     finally:
         engine.close()
         tier.close()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-pass", "copy-then-checksum"])
 def test_with_device_tensors_the_host_ones_are_copied_and_the_device_ones_checksummed_once_landed(
-        tmp_path) -> None:
+        tmp_path, monkeypatch, fused) -> None:
     """The CUDA path's split of a slot's items, on CPU: the host tensors' units are copied at the
     save point, the device tensors' (here copied by hand, as the DMA would) only checksummed by
     :class:`PendingCopy` -- small ones in groups, spread over the threads; every item's bytes
@@ -559,8 +571,11 @@ def test_with_device_tensors_the_host_ones_are_copied_and_the_device_ones_checks
     from areal_lightning.write.checksum import Written, crc32c, item_checksum
     from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
     from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
-    from areal_lightning.write.slot import PendingCopy, SlotFile, _copy_share, _run_shares
+    from areal_lightning.write import slot
+    from areal_lightning.write.slot import PendingCopy, SlotFile, _copy_share, _fused_copy, _run_shares
 
+    assert slot.FUSED or not fused, "the compiled _crc32c_copy is not built (see test_slot_copy.py)"
+    monkeypatch.setattr(slot, "FUSED", fused)
     gen = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(100 + i, generator=gen) for i in range(60)}
     state["big"] = torch.randn(300_000, generator=gen)
@@ -572,11 +587,16 @@ def test_with_device_tensors_the_host_ones_are_copied_and_the_device_ones_checks
     with ThreadPoolExecutor(1) as pool:
         host_shares, device_shares = file._split(device, 2)
         assert file._split(list(device), 2)[1] is device_shares  # made once
-        copied = {e[0].key for share in host_shares for u in share for e in u.entries}
-        landed = {e[0].key for share in device_shares for u in share for e in u.entries}
+        if fused:
+            copied = {key for share in host_shares for part in share for key in part.keys}
+            landed = {key for share in device_shares for part in share for key in part.keys}
+        else:
+            copied = {e[0].key for share in host_shares for u in share for e in u.entries}
+            landed = {e[0].key for share in device_shares for u in share for e in u.entries}
+            assert any(len(u.entries) > 1 for share in device_shares for u in share)  # grouped
         assert copied.isdisjoint(landed) and copied | landed == {e[0].key for e in items}
-        assert any(len(u.entries) > 1 for share in device_shares for u in share)  # grouped
-        _run_shares(_copy_share, host_shares, pool, flat, False)
+        assert len(device_shares) == 2  # spread over the threads
+        _run_shares(_fused_copy if fused else _copy_share, host_shares, pool, flat, False)
         for item, view, _address, _mapped in device:  # the "DMA"
             view.copy_(flat[item.key].reshape(-1).view(torch.uint8))
         PendingCopy(None, device_shares, True, True).wait(pool)

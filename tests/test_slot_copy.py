@@ -1,0 +1,79 @@
+"""The compiled one-pass copy and CRC32C of the memory tier's slots (``_crc32c_copy``), against
+``ctypes.memmove`` and the ``crc32c`` package on every path of its code: the three-chain main
+loop of three chains over 3 x 64 KB blocks, the one chain of a remainder and of a smaller item,
+its 8-byte words and its last bytes;
+misaligned sources and destinations; checksum-only entries; several items in one call."""
+
+from __future__ import annotations
+
+import platform
+import random
+import shutil
+import sys
+from array import array
+
+import crc32c
+import pytest
+import torch
+
+from areal_lightning.write import slot
+
+BLOCK = 64 << 10  # as in _crc32c_copy.c
+
+
+def test_the_one_pass_copy_is_built_and_used_on_x86_64_linux_with_a_compiler() -> None:
+    """``pip install`` builds the optional extension; where it can, a failed build must not pass
+    unseen (the slot copy would fall back to copy-then-checksum, 1.4x slower)."""
+    if not (sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("cc")):
+        pytest.skip("the extension is built on x86-64 Linux with a C compiler only")
+    assert slot._crc32c_copy is not None, "areal_lightning/write/_crc32c_copy.c was not built: pip install -e ."
+    assert slot.FUSED
+
+
+@pytest.fixture
+def native():
+    if not slot.FUSED:
+        pytest.skip("the compiled _crc32c_copy is not built or this CPU has no SSE4.2")
+    return slot._crc32c_copy
+
+
+def lengths() -> list[int]:
+    edge = [0, 1, 7, 8, 9, 63, 64, 4095, 3 * BLOCK - 8, 3 * BLOCK - 1, 3 * BLOCK, 3 * BLOCK + 1, 3 * BLOCK + 8,
+            3 * BLOCK + 12345, 6 * BLOCK, 9 * BLOCK - 1, (5 << 20) + 3]
+    rng = random.Random(0)
+    return edge + [rng.randrange(0, 1 << 21) for _ in range(60)] + [rng.randrange(0, 4096) for _ in range(60)]
+
+
+def test_one_pass_copies_match_memmove_and_their_checksums_the_crc32c_package(native) -> None:
+    rng = random.Random(1)
+    source = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    sizes = lengths()
+    # every item at its own random (mis)alignment, in one destination, with gaps left untouched
+    src_at, dst_at, end = [], [], 0
+    for n in sizes:
+        src_at.append(rng.randrange(0, source.numel() - n))
+        end += rng.randrange(1, 17)
+        dst_at.append(end)
+        end += n
+    target = torch.full((end + 16,), 0xA5, dtype=torch.uint8)
+    base, src_base = target.data_ptr(), source.data_ptr()
+    out = array("I", bytes(4 * len(sizes)))
+    native.copy(array("Q", [base + d for d in dst_at]), array("Q", [src_base + s for s in src_at]),
+                array("Q", sizes), out)
+    expected = target.clone().fill_(0xA5)
+    for n, s, d, value in zip(sizes, src_at, dst_at, out):
+        piece = source[s:s + n]
+        expected[d:d + n] = piece
+        assert value == crc32c.crc32c(piece.numpy().tobytes()), n
+    assert torch.equal(target, expected)  # every byte copied, none outside the items written
+    # checksum-only entries (source 0): the CRC32C of the destination's bytes, nothing written
+    again = array("I", bytes(4 * len(sizes)))
+    native.copy(array("Q", [base + d for d in dst_at]), array("Q", bytes(8 * len(sizes))), array("Q", sizes), again)
+    assert again == out and torch.equal(target, expected)
+
+
+def test_one_pass_copy_arguments_of_the_wrong_sizes_are_refused(native) -> None:
+    with pytest.raises(ValueError, match="8 bytes per item and out 4"):
+        native.copy(array("Q", [1]), array("Q", [1]), array("Q", [1, 2]), array("I", [0]))
+    with pytest.raises(TypeError):
+        native.copy(array("Q", [1]), array("Q", [1]), array("Q", [1]), b"read-only")
