@@ -78,6 +78,20 @@ def test_many_tensors_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     assert "64/4" in proc.stdout
 
 
+def test_hashes_benchmark_times_the_copies_with_their_crc32c_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "hashes.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hashes.py"), "--mb", "2", "--repeat", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert {r["name"] for r in doc["rows"]} >= {"memcpy", "zlib.crc32", "crc32c"}
+    names = {(r["name"], r["threads"]) for r in doc["copies"]}
+    from areal_lightning.write.slot import FUSED
+    expected = ["copy_ (scale)", "memmove, then crc32c"] + (["one pass (ours)"] if FUSED else [])
+    assert names == {(name, threads) for name in expected for threads in (1, 2)}
+    assert all(r["gbps"] > 0 for r in doc["copies"]) and "time / copy_" in proc.stdout
+
+
 def test_replicated_fingerprints_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     out = tmp_path / "fp.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "replicated_fingerprints.py"), "--mb", "1",
