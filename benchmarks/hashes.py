@@ -144,16 +144,7 @@ def _timed_threads(fn: Callable[[int], None], threads: int, repeat: int) -> floa
 
 
 def _timed(fn: Callable[[], None], threads: int, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        workers = [threading.Thread(target=fn) for _ in range(threads)]
-        start = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _timed_threads(lambda thread: fn(), threads, repeat)
 
 
 def main() -> int:
