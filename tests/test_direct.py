@@ -8,9 +8,13 @@ fall back to DCP wherever planning is needed, and a save must fail as a whole.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -225,3 +229,68 @@ def test_repeated_saves_into_one_folder_write_metadata_from_its_pickle_made_once
     _save_into(tmp_path / "odd", state, layout)
     assert layout._pickled[1] == 2 and layout._pickled[2] is None
     assert FileSystemReader(tmp_path / "odd").read_metadata().storage_meta.save_id != direct._SAVE_ID_SENTINEL
+
+
+class Pair(NamedTuple):
+    """A named tuple in a checkpoint (pickled by reference: a module-level class)."""
+
+    x: Any
+    y: Any
+
+
+def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_unique_keys() -> None:
+    """Any nesting of dicts (str, int and other keys, ``OrderedDict``), lists, tuples and named
+    tuples, tensors and plain values, including keys that collide once dotted (``"a.b"`` beside
+    ``{"a": {"b"}}``), the skeleton's own key, and one tensor in two places: every tensor under
+    one key of its own, an unnamed slot exactly where the key is its dotted path, and the
+    pickled skeleton filled again gives back the same structure with the same tensor objects."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from areal_lightning.write.dcp_format import SlotUnpickler, unflatten
+
+    pool = [torch.full((1,), float(i)) for i in range(6)]
+    keys = st.sampled_from(["a", "b", "a.b", "b#1", "", "0", SKELETON_KEY, 0, 1, 2, (1, 2), 3.5])
+    leaves = st.sampled_from(pool) | st.sampled_from([1, "s", None, 2.5, b"x"])
+    trees = st.recursive(leaves, lambda inner: (
+        st.dictionaries(keys, inner, max_size=4) | st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple) | st.tuples(inner, inner).map(lambda t: Pair(*t))
+        | st.dictionaries(keys, inner, max_size=3).map(OrderedDict)), max_leaves=20)
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor):
+            return a is b
+        if isinstance(a, dict):
+            return type(a) is type(b) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    def where(obj: Any, path: tuple[str, ...], by_path: bool) -> Iterator[tuple[Any, str, bool]]:
+        if isinstance(obj, TensorSlot):
+            yield obj, ".".join(path), by_path
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from where(v, (*path, str(k)), by_path and type(k) in (str, int))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                yield from where(v, (*path, str(i)), by_path)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(st.sampled_from(["a", "b", "a.b", "0", SKELETON_KEY, "a#1"]), trees, min_size=1, max_size=4))
+    def check(state: dict[str, Any]) -> None:
+        flat = flatten(state)
+        skeleton = flat.pop(SKELETON_KEY)
+        named = []
+        for slot, path, by_path in where(skeleton, (), True):
+            if slot is UNNAMED:
+                assert by_path, path
+                named.append(path)
+            else:
+                assert slot.fqn and not (by_path and slot.fqn == path), (slot, path)
+                named.append(slot.fqn)
+        assert sorted(named) == sorted(flat) and SKELETON_KEY not in flat  # each tensor its own key
+        again = SlotUnpickler(io.BytesIO(pickle.dumps(skeleton))).load()
+        assert same(unflatten(again, flat), state)
+
+    check()

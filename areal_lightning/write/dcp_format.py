@@ -74,31 +74,42 @@ def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
     The skeleton is a point-in-time copy of every non-tensor value, taken now in the
     caller's thread, so later mutation of Python state cannot leak into an async save."""
     tensors: dict[str, torch.Tensor] = {}
+    tensor_type = torch.Tensor
 
-    def walk(obj: Any, path: tuple[str, ...], by_path: bool) -> Any:
-        # by_path: every dict key on the way is a str or an int, whose str() unflatten recomputes as is
-        if isinstance(obj, torch.Tensor):
-            base = ".".join(path)
-            fqn, n = base, 1
-            while fqn in tensors or fqn == SKELETON_KEY:
-                fqn, n = f"{base}#{n}", n + 1
-            tensors[fqn] = obj
-            return UNNAMED if by_path and fqn == base else TensorSlot(fqn)
+    def leaf(obj: torch.Tensor, base: str, by_path: bool) -> TensorSlot:
+        fqn, n = base, 1
+        while fqn in tensors or fqn == SKELETON_KEY:
+            fqn, n = f"{base}#{n}", n + 1
+        tensors[fqn] = obj
+        return UNNAMED if by_path and fqn == base else TensorSlot(fqn)
+
+    def walk(obj: Any, base: str | None, by_path: bool) -> Any:
+        # base: obj's dotted path (None: the root); by_path: every dict key on the way is a str
+        # or an int, whose str() unflatten recomputes as is. A tensor in a dict is taken there
+        # (no call per tensor: this runs for every tensor of every save).
+        if isinstance(obj, tensor_type):
+            return leaf(obj, base or "", by_path)
         if isinstance(obj, _ATOMIC):
             return obj
+        prefix = "" if base is None else base + "."
         if isinstance(obj, dict):
             out = copy.copy(obj)
             for key, value in obj.items():
-                out[key] = walk(value, (*path, str(key)), by_path and type(key) in (str, int))
+                child, keyed = prefix + str(key), by_path and type(key) in (str, int)
+                if isinstance(value, tensor_type) and child not in tensors and child != SKELETON_KEY:
+                    tensors[child] = value
+                    out[key] = UNNAMED if keyed else TensorSlot(child)
+                else:
+                    out[key] = walk(value, child, keyed)
             return out
         if isinstance(obj, list):
-            return [walk(v, (*path, str(i)), by_path) for i, v in enumerate(obj)]
+            return [walk(v, prefix + str(i), by_path) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            items = [walk(v, (*path, str(i)), by_path) for i, v in enumerate(obj)]
+            items = [walk(v, prefix + str(i), by_path) for i, v in enumerate(obj)]
             return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
         return copy.deepcopy(obj)
 
-    skeleton = walk(dict(state), (), True)
+    skeleton = walk(dict(state), None, True)
     return {**tensors, SKELETON_KEY: skeleton}
 
 
