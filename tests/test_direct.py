@@ -294,3 +294,53 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
         assert same(unflatten(again, flat), state)
 
     check()
+
+
+@pytest.mark.parametrize("how", ["no-plan", "planned", "async", "async-planned", "memory-tier"])
+def test_lazily_conjugated_and_negated_views_are_saved_and_loaded_as_the_values_they_show(tmp_path: Path,
+                                                                                          how: str) -> None:
+    """``z.conj()`` and ``z.conj().imag`` are views whose bytes are not their values (torch's
+    conjugate and negative bits): a save must write the values (as stock DCP does), and a load
+    into such a view must make it show the saved values. Through the save without planning,
+    the planned one (a quantized tensor beside them), both asynchronous, and the memory tier's
+    slot."""
+    from areal_lightning.commit.memory_tier import MemoryTier
+    from areal_lightning.config import MemoryConfig
+
+    gen = torch.Generator().manual_seed(7)
+    z, big = torch.randn(5, dtype=torch.complex64, generator=gen), torch.randn(70_000, dtype=torch.complex64, generator=gen)
+    views = {"conj": z.conj(), "neg": z.conj().imag, "big_conj": big.conj(), "plain": torch.arange(4.0)}
+    assert views["conj"].is_conj() and views["neg"].is_neg() and views["big_conj"].is_conj()
+    state = {"state_dict": dict(views), "step": 3}
+    planned = how.endswith("planned")
+    if planned:
+        state["state_dict"]["q"] = torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.qint8)
+    values = {k: v.resolve_conj().resolve_neg().clone() for k, v in views.items()}
+    engine = DCPEngine()
+    try:
+        if how == "memory-tier":
+            tier = MemoryTier(MemoryConfig(enabled=True, root=str(tmp_path / "shm")).validate(), tmp_path / "tier", 0)
+            tier.write(state, global_step=1, world_size=1, lineage=None, info={})
+            tier.wait()
+            [seal] = tier.held()
+            path = seal.path
+        else:
+            engine.save(state, tmp_path / "c", asynchronous=how.startswith("async"))
+            engine.wait()
+            path = tmp_path / "c"
+        plain = {"state_dict": {k: torch.zeros_like(v) for k, v in values.items()}}
+        lazy = {"state_dict": {"conj": torch.zeros(5, dtype=torch.complex64).conj(),
+                               "neg": torch.zeros(5, dtype=torch.complex64).conj().imag,
+                               "big_conj": torch.zeros(70_000, dtype=torch.complex64).conj(),
+                               "plain": torch.zeros(4)}}
+        for template in (plain, lazy):
+            if planned:
+                template["state_dict"]["q"] = torch.quantize_per_tensor(torch.zeros(3), 0.5, 0, torch.qint8)
+            loaded = engine.load(path, template=template)["state_dict"]
+            for key, value in values.items():
+                assert torch.equal(loaded[key], value), (key, template is lazy)
+                assert loaded[key] is template["state_dict"][key]  # filled in place
+    finally:
+        engine.close()
+        if how == "memory-tier":
+            tier.close()

@@ -524,6 +524,11 @@ def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back
     pieces = replicas.fingerprints({"long": long, "changed": changed, "same": long.clone(), "empty": torch.zeros(0)})
     assert pieces["long"] == pieces["same"] != pieces["changed"] and len(pieces["long"][2]) == 37 * 4 // 8 + 1
     assert replicas.differing([replicas.fingerprints(a), replicas.fingerprints(b)]) == ["bn.mean"]
+    z = torch.randn(5, dtype=torch.complex64)  # lazily conjugated / negated views: their values fingerprinted
+    lazy, held = {"c": z.conj(), "n": z.conj().imag}, {"c": z.conj().resolve_conj(), "n": z.conj().imag.resolve_neg()}
+    assert replicas.differing([replicas.fingerprints(lazy), replicas.fingerprints(held)]) == []
+    assert replicas.differing([replicas.fingerprints(lazy), replicas.fingerprints({"c": z, "n": z.imag})]) == ["c", "n"]
+    assert replicas._device_fingerprints(list(lazy.values())) == replicas._device_fingerprints(list(held.values()))
     flat0, flat1 = dict(a), dict(b)
     replicas.store_per_rank(flat0, ["bn.mean"], rank=0, world_size=2)
     replicas.store_per_rank(flat1, ["bn.mean"], rank=1, world_size=2)

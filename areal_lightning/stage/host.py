@@ -137,6 +137,19 @@ def _unshard_views(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[
     return plain, rebuild
 
 
+def _not_for_the_stager(value: Any) -> bool:
+    """A tensor torch's ``DefaultStager`` copies wrongly: a quantized one (its copy has no
+    quantizer: the write fails) or a lazily conjugated or negated view (its bytes are copied
+    without the bit: the values change)."""
+    return type(value) is torch.Tensor and (value.is_quantized or value.is_conj() or value.is_neg())
+
+
+def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s values now, made by torch (in the caller's thread, at the save point),
+    written from there instead of a staged buffer."""
+    return tensor.detach().resolve_conj().resolve_neg().clone()
+
+
 class HostStager:
     """Copies state dicts to long-lived host buffers in its own thread; implements the
     ``stage`` / ``synchronize_staging`` / ``close`` protocol ``dcp.async_save`` expects of
@@ -146,6 +159,8 @@ class HostStager:
       later staging of the same tensors (no growth across saves); pinned on CUDA. (State
       dicts made of fresh copies at each save, such as FSDP1's, get fresh buffers.)
     * ``ShardedTensor`` s (FSDP1) are staged through their local shards.
+    * Quantized tensors and lazily conjugated or negated views, which ``DefaultStager`` copies
+      wrongly, are copied by torch at :meth:`stage` (see :func:`_not_for_the_stager`).
     * CUDA: the copy is ordered after the work queued so far on the caller's current
       stream (an event recorded at :meth:`stage`, waited for on the copying thread's
       stream), and the copying thread uses the caller's device.
@@ -175,15 +190,19 @@ class HostStager:
                 self._stream = torch.cuda.Stream()  # created on the caller's thread and device
             stream = self._stream
         plain, rebuild = _unshard_views(state_dict)
+        held = {key: _snapshot(value) for key, value in plain.items() if _not_for_the_stager(value)}
+        if held:
+            plain = {key: value for key, value in plain.items() if key not in held}
         stager = self._stager
 
         def copy_now() -> dict[str, Any]:
             if ready is None:
-                return rebuild(stager.stage(plain))
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                staged = stager.stage(plain)  # non-blocking copies on this stream, then a sync
-            return rebuild(staged)
+                staged = stager.stage(plain)
+            else:
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    staged = stager.stage(plain)  # non-blocking copies on this stream, then a sync
+            return rebuild({**staged, **held} if held else staged)
 
         self._last = self._executor.submit(copy_now)
         return self._last

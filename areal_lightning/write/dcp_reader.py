@@ -45,7 +45,7 @@ from areal_lightning.write.dcp_format import (
     SlotUnpickler,
     slot_globals,
 )
-from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, read_into
+from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, read_into, shows_its_bytes
 from areal_lightning.write.objectstore_fs import Location, location, on_object_store
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -218,7 +218,8 @@ class AdoptingReader(FileSystemReader):
         sizes, dtype = self.chunk(item.storage_index)
         whole = not any(item.storage_offsets) and list(item.lengths) == list(sizes)
         dest = planner.resolve_tensor(item).detach() if whole else None
-        direct = type(dest) is torch.Tensor and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
+        direct = (type(dest) is torch.Tensor and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
+                  and shows_its_bytes(dest))
         target, view = self.read_chunk(file, path, info, item.storage_index, dest if direct else None)
         start = time.perf_counter()
         stats.verified += check_item(view, path, info, key)

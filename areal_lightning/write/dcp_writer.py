@@ -171,7 +171,7 @@ class HashingWriter(FileSystemWriter):
                         stream.write(data.getbuffer())
                         descriptors = None
                     else:
-                        tensor = data.detach()
+                        tensor = data.detach().resolve_conj().resolve_neg()  # the values it shows
                         if not tensor.is_cpu:
                             tensor = tensor.cpu()
                         if is_plain(tensor):

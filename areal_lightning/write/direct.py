@@ -60,7 +60,7 @@ from areal_lightning.stage.host import bind_thread_to
 from areal_lightning.write.checksum import ITEM_CHECKSUM, HashingStream, Written, crc32c, manifest_of
 from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.durable import fsync_dir
-from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, tensor_bytes
+from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, shows_its_bytes, tensor_bytes
 
 __all__ = ["ByteLayout", "signature", "tensors_of", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
 
@@ -74,15 +74,17 @@ _BUFFER = 1 << 20
 def signature(flat: Mapping[str, Any], pinned: bool | None = None) -> tuple[Any, ...] | None:
     """What a save's layout depends on: each tensor's key, shape, dtype, ``requires_grad`` and
     pinning (``pinned`` where given: where the bytes are written from), in order; ``None``
-    when ``flat`` is not a skeleton plus plain tensors (then DCP plans the save)."""
+    when ``flat`` is not a skeleton plus plain tensors whose memory holds their values (then DCP
+    plans the save, and its writer resolves lazily conjugated or negated views)."""
     entries = []
     append = entries.append  # per tensor of every save: is_plain inlined, no lookups in the loop
     tensor_type, strided = torch.Tensor, torch.strided
     for key, value in flat.items():
         if key == SKELETON_KEY:
             continue
-        if type(value) is not tensor_type or value.layout != strided or value.is_quantized:
-            return None  # not is_plain
+        if type(value) is not tensor_type or value.layout != strided or value.is_quantized \
+                or value.is_conj() or value.is_neg():
+            return None  # not is_plain, or not shows_its_bytes
         append((key, value.shape, value.dtype, value.requires_grad, value.is_pinned() if pinned is None else pinned))
     return tuple(entries)
 
@@ -382,7 +384,7 @@ def whole_reads(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, list[t
             if len(md.chunks) != 1 or md.chunks[0].sizes != md.size or any(md.chunks[0].offsets) \
                     or not is_raw(info.transform_descriptors) or not isinstance(dest, torch.Tensor) \
                     or type(dest) is not torch.Tensor or not dest.is_cpu or dest.dtype != md.properties.dtype \
-                    or dest.shape != md.size or not dest.is_contiguous():
+                    or dest.shape != md.size or not dest.is_contiguous() or not shows_its_bytes(dest):
                 return None
         per_file.setdefault(info.relative_path, []).append((info, fqn, dest))
     return per_file

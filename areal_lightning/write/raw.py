@@ -25,7 +25,7 @@ import torch
 from areal_lightning.errors import CheckpointCorruptError
 from areal_lightning.write.checksum import truncated
 
-__all__ = ["RAW_DESCRIPTOR", "is_raw", "is_plain", "tensor_bytes", "read_into"]
+__all__ = ["RAW_DESCRIPTOR", "is_raw", "is_plain", "shows_its_bytes", "tensor_bytes", "read_into"]
 
 RAW_DESCRIPTOR = "areal.raw/1"
 """DCP transform descriptor of a tensor item stored as raw row-major bytes (part of the format)."""
@@ -49,15 +49,23 @@ def is_plain(tensor: torch.Tensor) -> bool:
     return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_quantized
 
 
+def shows_its_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds the values it shows: not a lazily conjugated or
+    negated view (``z.conj()``, ``z.conj().imag``: torch's conjugate and negative bits), whose
+    bytes a raw write would store unconjugated and a raw read would fill wrongly."""
+    return not (tensor.is_conj() or tensor.is_neg())
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU ``tensor`` (row-major), without a copy; the view keeps
     the tensor alive. (A ctypes array over its memory: about 1 us, against 5 us through
     ``numpy()``, which also has no bfloat16; it is paid per tensor of every save and load.)"""
     if tensor.numel() == 0:
         return memoryview(b"")
-    if not (tensor.is_cpu and tensor.is_contiguous()):
-        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor, got {tensor.device} "
-                         f"{'contiguous' if tensor.is_contiguous() else 'non-contiguous'}")
+    if not (tensor.is_cpu and tensor.is_contiguous()) or not shows_its_bytes(tensor):
+        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor whose memory holds its values, got {tensor.device} "
+                         f"{'contiguous' if tensor.is_contiguous() else 'non-contiguous'}"
+                         f"{'' if shows_its_bytes(tensor) else ', a lazily conjugated or negated view'}")
     memory = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
     memory.owner = tensor  # the buffer lives as long as the view does
     return memoryview(memory).cast("B")
