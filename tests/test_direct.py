@@ -316,6 +316,9 @@ def test_lazily_conjugated_and_negated_views_are_saved_and_loaded_as_the_values_
     if planned:
         state["state_dict"]["q"] = torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.qint8)
     values = {k: v.resolve_conj().resolve_neg().clone() for k, v in views.items()}
+    for key, view in [*views.items(), *((str(d), torch.quantize_per_tensor(torch.ones(2), 0.5, 0, d))
+                                        for d in (torch.qint8, torch.quint8, torch.qint32))]:
+        assert (direct.signature({key: view}) is None) == (key != "plain"), key  # DCP plans them
     engine = DCPEngine()
     try:
         if how == "memory-tier":

@@ -71,6 +71,11 @@ _BUFFER = 1 << 20
 """Write buffer per file: small tensors are gathered into 1 MiB writes, larger ones written as they are."""
 
 
+_QUANTIZED = frozenset(value for value in vars(torch).values()
+                       if isinstance(value, torch.dtype) and str(value).startswith(("torch.qint", "torch.quint")))
+"""The dtypes of quantized tensors (``tensor.is_quantized``; a set lookup is cheaper, per tensor of every save)."""
+
+
 def signature(flat: Mapping[str, Any], pinned: bool | None = None) -> tuple[Any, ...] | None:
     """What a save's layout depends on: each tensor's key, shape, dtype, ``requires_grad`` and
     pinning (``pinned`` where given: where the bytes are written from), in order; ``None``
@@ -82,10 +87,11 @@ def signature(flat: Mapping[str, Any], pinned: bool | None = None) -> tuple[Any,
     for key, value in flat.items():
         if key == SKELETON_KEY:
             continue
-        if type(value) is not tensor_type or value.layout != strided or value.is_quantized \
-                or value.is_conj() or value.is_neg():
-            return None  # not is_plain, or not shows_its_bytes
-        append((key, value.shape, value.dtype, value.requires_grad, value.is_pinned() if pinned is None else pinned))
+        dtype = value.dtype
+        if type(value) is not tensor_type or value.layout != strided or dtype in _QUANTIZED or value.is_neg() \
+                or (dtype.is_complex and value.is_conj()):
+            return None  # not is_plain, or not shows_its_bytes (only a complex tensor has a conjugate bit)
+        append((key, value.shape, dtype, value.requires_grad, value.is_pinned() if pinned is None else pinned))
     return tuple(entries)
 
 
