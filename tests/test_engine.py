@@ -542,3 +542,45 @@ def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back
     with caplog.at_level("WARNING"):
         replicas.warn_world_change(["bn.mean"])
     assert "bn.mean" in caplog.text and "rank 0's copy" in caplog.text
+
+
+def test_a_whole_load_reads_a_lone_local_file_in_parts_of_about_equal_bytes(tmp_path) -> None:
+    """dcp_reader._parts: a file's items in offset order, cut into runs of about equal bytes
+    (each read by its own thread: a memory-tier slot is one file); every item exactly once. A
+    one-file checkpoint then loads bit for bit through those parts."""
+    from types import SimpleNamespace
+
+    from areal_lightning.write import dcp_reader
+
+    sizes = [5, 100, 3, 40, 40, 0, 7, 60, 1]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    entries = [(SimpleNamespace(offset=o, length=n), i) for i, (o, n) in enumerate(zip(offsets, sizes))][::-1]
+    for k in (1, 2, 3, 4, 20):
+        parts = dcp_reader._parts(entries, k)
+        order = [i for part in parts for _, i in part]
+        assert sorted(order) == list(range(len(sizes)))  # every item, once
+        assert [offsets[i] for i in order] == sorted(offsets)  # in offset order (an empty item ties its successor)
+        assert 1 <= len(parts) <= k and all(parts)
+        if k == 2:
+            assert [sum(info.length for info, _ in part) for part in parts] == [148, 108]
+    gen = torch.Generator().manual_seed(0)
+    state = {"state_dict": {f"w{i}": torch.randn(1000 + 37 * i, generator=gen) for i in range(30)}, "step": 1}
+    engine = DCPEngine(thread_count=1)
+    engine.save(state, tmp_path / "c")
+    assert len(list((tmp_path / "c").glob("*.distcp"))) == 1
+    read = []
+    real = dcp_reader.AdoptingReader._gather
+
+    def spy(self, jobs, read_file):
+        read.append([name for name, _ in (jobs.items() if isinstance(jobs, dict) else jobs)])
+        return real(self, jobs, read_file)
+
+    dcp_reader.AdoptingReader._gather = spy
+    try:
+        template = {"state_dict": {k: torch.empty_like(v) for k, v in state["state_dict"].items()}}
+        loaded = engine.load(tmp_path / "c", template=template)
+    finally:
+        dcp_reader.AdoptingReader._gather = real
+        engine.close()
+    assert read == [["__0_0.distcp"] * dcp_reader.READ_THREADS]  # the one file, read in parts at once
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in state["state_dict"].items())

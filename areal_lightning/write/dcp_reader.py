@@ -138,6 +138,7 @@ class AdoptingReader(FileSystemReader):
         self.stats = Read()
         self.failure: CheckpointCorruptError | None = None
         self.threads = READ_THREADS  # files read at once (1: one item's buffers at a time)
+        self.split_files = True  # a whole load reads a file in parts at once where files < threads (local files)
         self._metadata: Metadata | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -233,7 +234,9 @@ class AdoptingReader(FileSystemReader):
     def read_whole(self, per_file: dict[str, list[tuple[Any, str, Any]]], planner: "TemplateLoadPlanner") -> None:
         """A load that needs no planning (:func:`~areal_lightning.write.direct.whole_reads`):
         each raw item read into its destination tensor and checked there, the skeleton
-        unpickled by ``planner``; the files in parallel, each in offset order."""
+        unpickled by ``planner``; the files in parallel, each in offset order (a local file of
+        fewer files than threads in parts of about equal bytes, read in parallel: a memory-tier
+        slot is one file)."""
 
         def read_file(name: str, entries: list[tuple[Any, str, Any]]) -> Read:
             stats = Read()
@@ -264,16 +267,19 @@ class AdoptingReader(FileSystemReader):
                         planner.store_bytes(key, io.BytesIO(data))
             return stats
 
-        self._gather(per_file, read_file)
+        parts = self.threads // max(1, len(per_file)) if self.split_files else 1
+        self._gather([(name, part) for name, entries in per_file.items() for part in _parts(entries, parts)], read_file)
 
-    def _gather(self, per_file: dict[str, list[Any]], read_file: Callable[[str, list[Any]], Read]) -> None:
-        """Run ``read_file`` for every file, ``threads`` at once (reads and CRCs release the GIL), adding up their stats."""
-        if len(per_file) <= 1 or self.threads == 1:
-            results = [read_file(name, entries) for name, entries in per_file.items()]
+    def _gather(self, jobs: Any, read_file: Callable[[str, list[Any]], Read]) -> None:
+        """Run ``read_file`` for every ``(file, entries)`` of ``jobs`` (a list of pairs, or a dict),
+        ``threads`` at once (reads and CRCs release the GIL), adding up their stats."""
+        jobs = list(jobs.items()) if isinstance(jobs, dict) else jobs
+        if len(jobs) <= 1 or self.threads == 1:
+            results = [read_file(name, entries) for name, entries in jobs]
         else:
-            with ThreadPoolExecutor(min(len(per_file), self.threads), thread_name_prefix="areal-dcp-read") as pool:
-                jobs = [pool.submit(read_file, name, entries) for name, entries in per_file.items()]
-                results = [job.result() for job in jobs]
+            with ThreadPoolExecutor(min(len(jobs), self.threads), thread_name_prefix="areal-dcp-read") as pool:
+                futures = [pool.submit(read_file, name, entries) for name, entries in jobs]
+                results = [future.result() for future in futures]
         for stats in results:
             self.stats.nbytes += stats.nbytes
             self.stats.verified += stats.verified
@@ -294,6 +300,23 @@ class AdoptingReader(FileSystemReader):
 
 
 
+def _parts(entries: list[Any], k: int) -> list[list[Any]]:
+    """``entries`` (``(info, ...)`` of one file) in offset order, cut into up to ``k`` runs of
+    about equal bytes (each run read by one thread, in order)."""
+    entries = sorted(entries, key=lambda entry: entry[0].offset)
+    total = sum(entry[0].length for entry in entries)
+    if k <= 1 or len(entries) <= 1 or not total:
+        return [entries]
+    parts: list[list[Any]] = [[]]
+    done = 0
+    for entry in entries:
+        if parts[-1] and done >= total * len(parts) / k:
+            parts.append([])
+        parts[-1].append(entry)
+        done += entry[0].length
+    return parts
+
+
 def reader_of(path: PathLike, storage_options: Mapping[str, Any] | None = None,
               threads: int = READ_THREADS) -> "AdoptingReader":
     """This engine's DCP reader of the checkpoint at ``path`` (a local folder or an object-store
@@ -303,6 +326,7 @@ def reader_of(path: PathLike, storage_options: Mapping[str, Any] | None = None,
     reader.threads = threads
     if isinstance(path, str):
         on_object_store(reader, path, storage_options or {})
+        reader.split_files = False  # one stream per object
     return reader
 
 
