@@ -584,3 +584,41 @@ def test_a_whole_load_reads_a_lone_local_file_in_parts_of_about_equal_bytes(tmp_
         engine.close()
     assert read == [["__0_0.distcp"] * dcp_reader.READ_THREADS]  # the one file, read in parts at once
     assert all(torch.equal(loaded["state_dict"][k], v) for k, v in state["state_dict"].items())
+
+
+def test_a_large_mapped_file_is_verified_in_parts_and_a_flipped_byte_in_any_part_is_named(tmp_path,
+                                                                                         monkeypatch) -> None:
+    """manifest.verify_mapped (the memory tier's check of a slot before a resume) checks a file
+    of 16 MB or more by threads, a part each: a byte flipped in the last part's item is found
+    and named, as in the first part's."""
+    from concurrent import futures
+
+    from areal_lightning.commit import manifest
+
+    gen = torch.Generator().manual_seed(1)
+    state = {"state_dict": {f"w{i}": torch.randn(300_000, generator=gen) for i in range(16)}}  # 19 MB, one file
+    engine = DCPEngine(thread_count=1)
+    engine.save(state, tmp_path / "c")
+    engine.close()
+    [data] = list((tmp_path / "c").glob("*.distcp"))
+    pools = []
+    real = futures.ThreadPoolExecutor
+
+    class Counted(real):
+        def __init__(self, workers, *a, **k):
+            pools.append(workers)
+            super().__init__(workers, *a, **k)
+
+    monkeypatch.setattr(futures, "ThreadPoolExecutor", Counted)
+    tensors = 16 * 300_000 * 4
+    assert manifest.verify_mapped(tmp_path / "c", "damaged") == data.stat().st_size > tensors  # + the skeleton
+    assert pools and pools[-1] > 1  # in parts
+    raw = bytearray(data.read_bytes())
+    for at in (100, tensors - 100):  # in the first item, in the last one (the skeleton follows)
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x10
+        data.write_bytes(flipped)
+        with pytest.raises(CheckpointCorruptError, match=r"w\d+.*damaged"):
+            manifest.verify_mapped(tmp_path / "c", "damaged")
+    data.write_bytes(raw)
+    assert manifest.verify_mapped(tmp_path / "c", "damaged") == len(raw)
