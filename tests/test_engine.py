@@ -545,7 +545,7 @@ def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back
 
 
 def test_a_whole_load_reads_a_lone_local_file_in_parts_of_about_equal_bytes(tmp_path) -> None:
-    """dcp_reader._parts: a file's items in offset order, cut into runs of about equal bytes
+    """dcp_reader.split_by_bytes: a file's items in offset order, cut into runs of about equal bytes
     (each read by its own thread: a memory-tier slot is one file); every item exactly once. A
     one-file checkpoint then loads bit for bit through those parts."""
     from types import SimpleNamespace
@@ -556,7 +556,7 @@ def test_a_whole_load_reads_a_lone_local_file_in_parts_of_about_equal_bytes(tmp_
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     entries = [(SimpleNamespace(offset=o, length=n), i) for i, (o, n) in enumerate(zip(offsets, sizes))][::-1]
     for k in (1, 2, 3, 4, 20):
-        parts = dcp_reader._parts(entries, k)
+        parts = dcp_reader.split_by_bytes(entries, k)
         order = [i for part in parts for _, i in part]
         assert sorted(order) == list(range(len(sizes)))  # every item, once
         assert [offsets[i] for i in order] == sorted(offsets)  # in offset order (an empty item ties its successor)

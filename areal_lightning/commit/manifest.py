@@ -184,7 +184,7 @@ def verify_mapped(ckpt_dir: Path, hint: str) -> int:
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from areal_lightning.write.dcp_reader import READ_THREADS, _parts
+    from areal_lightning.write.dcp_reader import READ_THREADS, split_by_bytes
 
     _, by_file = _items_by_file(ckpt_dir, hint, None)
     nbytes = 0
@@ -207,7 +207,7 @@ def verify_mapped(ckpt_dir: Path, hint: str) -> int:
                 return checked
 
             try:
-                parts = _parts(entries, READ_THREADS if size >= _PARALLEL else 1)
+                parts = split_by_bytes(entries, READ_THREADS if size >= _PARALLEL else 1)
                 if len(parts) > 1:
                     with ThreadPoolExecutor(len(parts), thread_name_prefix="areal-verify") as pool:
                         nbytes += sum(pool.map(check, parts))  # the first part's failure first; all end here

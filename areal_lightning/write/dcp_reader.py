@@ -268,7 +268,8 @@ class AdoptingReader(FileSystemReader):
             return stats
 
         parts = self.threads // max(1, len(per_file)) if self.split_files else 1
-        self._gather([(name, part) for name, entries in per_file.items() for part in _parts(entries, parts)], read_file)
+        self._gather([(name, part) for name, entries in per_file.items() for part in split_by_bytes(entries, parts)],
+                     read_file)
 
     def _gather(self, jobs: Any, read_file: Callable[[str, list[Any]], Read]) -> None:
         """Run ``read_file`` for every ``(file, entries)`` of ``jobs`` (a list of pairs, or a dict),
@@ -300,7 +301,7 @@ class AdoptingReader(FileSystemReader):
 
 
 
-def _parts(entries: list[Any], k: int) -> list[list[Any]]:
+def split_by_bytes(entries: list[Any], k: int) -> list[list[Any]]:
     """``entries`` (``(info, ...)`` of one file) in offset order, cut into up to ``k`` runs of
     about equal bytes (each run read by one thread, in order)."""
     entries = sorted(entries, key=lambda entry: entry[0].offset)
