@@ -57,8 +57,8 @@ Why each is needed (public torch has no equivalent):
   reports how many requests it retried; :func:`count_azure_retries` wraps ``increment`` of the
   client's policy instance, ``service_client._config.retry_policy`` (the one instance every
   container and blob client of it shares), to count the retries it grants.
-* a slot of the memory tier copies its small tensors a group at a time, each group by one call
-  that releases the GIL (``torch._foreach_copy_``, what torch's optimizers use): copied one by
+* a slot of the memory tier, where its compiled one-pass copy is not built, copies its small
+  tensors a group at a time, each group by one call that releases the GIL (``torch._foreach_copy_``, what torch's optimizers use): copied one by
   one, 2,000 tensors of 32 KB cost about 1 us of Python each, and threads copying them take
   turns at the GIL (measured in ``benchmarks/many_tensors.py``).
 * the exact data position: torch's DataLoader iterators read indices from

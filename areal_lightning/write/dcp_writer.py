@@ -51,7 +51,7 @@ from areal_lightning.write.checksum import (
     manifest_of,
 )
 from areal_lightning.write.durable import fsync_dir
-from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, tensor_bytes
+from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, resolved, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class HashingWriter(FileSystemWriter):
                         stream.write(data.getbuffer())
                         descriptors = None
                     else:
-                        tensor = data.detach().resolve_conj().resolve_neg()  # the values it shows
+                        tensor = resolved(data)
                         if not tensor.is_cpu:
                             tensor = tensor.cpu()
                         if is_plain(tensor):

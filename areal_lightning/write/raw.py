@@ -25,7 +25,7 @@ import torch
 from areal_lightning.errors import CheckpointCorruptError
 from areal_lightning.write.checksum import truncated
 
-__all__ = ["RAW_DESCRIPTOR", "is_raw", "is_plain", "shows_its_bytes", "tensor_bytes", "read_into"]
+__all__ = ["RAW_DESCRIPTOR", "is_raw", "is_plain", "shows_its_bytes", "resolved", "tensor_bytes", "read_into"]
 
 RAW_DESCRIPTOR = "areal.raw/1"
 """DCP transform descriptor of a tensor item stored as raw row-major bytes (part of the format)."""
@@ -54,6 +54,12 @@ def shows_its_bytes(tensor: torch.Tensor) -> bool:
     negated view (``z.conj()``, ``z.conj().imag``: torch's conjugate and negative bits), whose
     bytes a raw write would store unconjugated and a raw read would fill wrongly."""
     return not (tensor.is_conj() or tensor.is_neg())
+
+
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, its memory holding the values it shows (a copy only for a lazily
+    conjugated or negated view, see :func:`shows_its_bytes`)."""
+    return tensor.detach().resolve_conj().resolve_neg()
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from areal_lightning.write.checksum import crc32c
-from areal_lightning.write.raw import tensor_bytes
+from areal_lightning.write.raw import resolved, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _device_fingerprints(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     at a time (one copy of 16 bytes per tensor back to the host, for all of them at once)."""
     sums = []
     for t in tensors:
-        data = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+        data = resolved(t).contiguous().reshape(-1).view(torch.uint8)
         weights = torch.arange(min(_CHUNK, data.numel()), device=data.device, dtype=torch.int64)
         total = torch.zeros(2, dtype=torch.int64, device=data.device)
         for start in range(0, data.numel(), _CHUNK):
@@ -81,7 +81,7 @@ def _host_digests(tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
     memcpy of it; a small state is hashed on the calling thread, without starting threads)."""
     pieces: list[tuple[int, memoryview]] = []
     for index, t in enumerate(tensors):
-        data = t.detach().resolve_conj().resolve_neg()  # the values it shows (lazy views: copied)
+        data = resolved(t)
         view = tensor_bytes(data if data.is_contiguous() else data.contiguous())
         pieces += [(index, view[start:start + _PIECE]) for start in range(0, max(len(view), 1), _PIECE)]
     if _THREADS > 1 and len(pieces) > 1 and sum(len(view) for _, view in pieces) >= 2 * _PIECE:

@@ -149,6 +149,12 @@ def _shares(units: list[_Unit], k: int) -> list[list[_Unit]]:
     return [[units[i] for i in sorted(share)] for share in shares if share]
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as a flat ``uint8`` tensor (a view when contiguous, else a contiguous
+    copy), what a slot's byte view is copied from."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 class _Pass:
     """Items for one call of the one-pass copy (:data:`FUSED`): their keys, slot views and
     records, and their slot addresses, sizes and the CRC32Cs out, as the arrays it takes."""
@@ -177,7 +183,7 @@ class _Pass:
             if 0 in sources:
                 for i, source in enumerate(sources):
                     if not source:
-                        self.views[i].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
+                        self.views[i].copy_(_as_bytes(tensors[i]))
         _crc32c_copy.copy(self.dsts, sources, self.sizes, self.out)
         for info, value in zip(self.infos, self.out):
             setattr(info, ITEM_CHECKSUM, value)
@@ -237,7 +243,7 @@ def _copy_item(item: Any, view: torch.Tensor, address: int, mapped: memoryview, 
                 ctypes.memmove(address + offset, source + offset, size)
                 value = crc32c(mapped[offset:offset + size], value)
     else:
-        view.copy_(tensor.detach().reshape(-1).view(torch.uint8))
+        view.copy_(_as_bytes(tensor))
         value = crc32c(mapped)
     setattr(item.info, ITEM_CHECKSUM, value)
 
@@ -379,10 +385,10 @@ class SlotFile:
                     for item, view, _address, _mapped in part:
                         tensor = flat[item.key].detach()
                         if tensor.is_contiguous():
-                            source = tensor.reshape(-1).view(torch.uint8)  # a view: no kernel
+                            source = _as_bytes(tensor)  # a view: no kernel
                         else:
                             with torch.cuda.stream(current):  # its contiguous copy, on the training stream
-                                source = tensor.reshape(-1).view(torch.uint8)
+                                source = _as_bytes(tensor)
                             stream.wait_stream(current)
                         view.copy_(source, non_blocking=bool(self._pinned))
                         source.record_stream(stream)
