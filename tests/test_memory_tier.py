@@ -599,7 +599,7 @@ def test_with_device_tensors_the_host_ones_are_copied_and_the_device_ones_checks
         _run_shares(_fused_copy if fused else _copy_share, host_shares, pool, flat, False)
         for item, view, _address, _mapped in device:  # the "DMA"
             view.copy_(flat[item.key].reshape(-1).view(torch.uint8))
-        PendingCopy(None, device_shares, True, True).wait(pool)
+        PendingCopy(None, device_shares, True, True, host_shares if fused else None).wait(pool)
     file.finish(skeleton, Written())
     assert verify_mapped(tmp_path / "slot", "damaged") > 0
     raw = (tmp_path / "slot" / "__0_0.distcp").read_bytes()

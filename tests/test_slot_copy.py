@@ -1,7 +1,7 @@
 """The compiled one-pass copy and CRC32C of the memory tier's slots (``_crc32c_copy``), against
 ``ctypes.memmove`` and the ``crc32c`` package on every path of its code: the three-chain main
 loop of three chains over 3 x 64 KB blocks, the one chain of a remainder and of a smaller item,
-its 8-byte words and its last bytes;
+its 8-byte words and its last bytes; three small items in lockstep;
 misaligned sources and destinations; checksum-only entries; several items in one call."""
 
 from __future__ import annotations
@@ -70,6 +70,16 @@ def test_one_pass_copies_match_memmove_and_their_checksums_the_crc32c_package(na
     again = array("I", bytes(4 * len(sizes)))
     native.copy(array("Q", [base + d for d in dst_at]), array("Q", bytes(8 * len(sizes))), array("Q", sizes), again)
     assert again == out and torch.equal(target, expected)
+    # both kinds in one call, interleaved (small items run three of a kind at a time)
+    target.fill_(0xA5)
+    mixed = array("I", bytes(4 * len(sizes)))
+    native.copy(array("Q", [base + d for d in dst_at]),
+                array("Q", [src_base + s if i % 3 else 0 for i, s in enumerate(src_at)]), array("Q", sizes), mixed)
+    for i, (n, s, d, value) in enumerate(zip(sizes, src_at, dst_at, mixed)):
+        if i % 3 == 0:
+            expected[d:d + n] = 0xA5
+        assert value == crc32c.crc32c(expected[d:d + n].numpy().tobytes()), (i, n)
+    assert torch.equal(target, expected)
 
 
 def test_one_pass_copy_arguments_of_the_wrong_sizes_are_refused(native) -> None:

@@ -83,11 +83,9 @@ static inline uint32_t block(uint8_t *dst, const uint8_t *src, uint32_t crc, int
     return multiply((uint32_t)c0, shift_two) ^ multiply((uint32_t)c1, shift_one) ^ (uint32_t)c2;
 }
 
+/* One chain over n bytes of src from the (uninverted) crc, copying to dst when copying. */
 __attribute__((target("sse4.2")))
-static inline uint32_t run(uint8_t *dst, const uint8_t *src, size_t n, int copying) {
-    uint32_t crc = 0xFFFFFFFFu;
-    for (; n >= 3 * (size_t)BLOCK; n -= 3 * (size_t)BLOCK, src += 3 * (size_t)BLOCK, dst += 3 * (size_t)BLOCK)
-        crc = block(dst, src, crc, copying);
+static inline uint32_t chain(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc, int copying) {
     uint64_t c = crc;
     for (; n >= 8; n -= 8, src += 8, dst += 8) {
         uint64_t x;
@@ -100,11 +98,83 @@ static inline uint32_t run(uint8_t *dst, const uint8_t *src, size_t n, int copyi
         c32 = _mm_crc32_u8(c32, *src);
         if (copying) *dst = *src;
     }
-    return ~c32;
+    return c32;
 }
 
-static uint32_t copy_one(uint8_t *dst, const uint8_t *src, size_t n) {
-    return src ? run(dst, src, n, 1) : run(dst, dst, n, 0); /* no source: only the checksum of dst */
+/* One item: the blocks of three chains, then one chain over the rest; returns its CRC32C. */
+__attribute__((target("sse4.2")))
+static inline uint32_t run(uint8_t *dst, const uint8_t *src, size_t n, int copying) {
+    uint32_t crc = 0xFFFFFFFFu;
+    for (; n >= 3 * (size_t)BLOCK; n -= 3 * (size_t)BLOCK, src += 3 * (size_t)BLOCK, dst += 3 * (size_t)BLOCK)
+        crc = block(dst, src, crc, copying);
+    return ~chain(dst, src, n, crc, copying);
+}
+
+/* Three small items of the same mode (copying, or checksums only) in lockstep, one chain
+ * each, over the words all three have; then each one's rest on its own. */
+__attribute__((target("sse4.2")))
+static void three(uint8_t *const *dst, const uint8_t *const *src, const size_t *n, uint32_t *out, int copying) {
+    size_t m = n[0] < n[1] ? n[0] : n[1];
+    m = (m < n[2] ? m : n[2]) & ~(size_t)7;
+    /* the addresses in locals: a store through one must not make the compiler reload them */
+    uint8_t *d0 = dst[0], *d1 = dst[1], *d2 = dst[2];
+    const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2];
+    uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu;
+    for (size_t i = 0; i < m; i += 8) {
+        uint64_t x, y, z;
+        memcpy(&x, s0 + i, 8);
+        memcpy(&y, s1 + i, 8);
+        memcpy(&z, s2 + i, 8);
+        c0 = _mm_crc32_u64(c0, x);
+        c1 = _mm_crc32_u64(c1, y);
+        c2 = _mm_crc32_u64(c2, z);
+        if (copying) {
+            memcpy(d0 + i, &x, 8);
+            memcpy(d1 + i, &y, 8);
+            memcpy(d2 + i, &z, 8);
+        }
+    }
+    out[0] = ~chain(dst[0] + m, src[0] + m, n[0] - m, (uint32_t)c0, copying);
+    out[1] = ~chain(dst[1] + m, src[1] + m, n[1] - m, (uint32_t)c1, copying);
+    out[2] = ~chain(dst[2] + m, src[2] + m, n[2] - m, (uint32_t)c2, copying);
+}
+
+/* Every item: a large one (one block or more) on its own; small ones three at a time, each
+ * three of the same mode (a source, or none: the checksum of dst's bytes), in lockstep. */
+static void copy_all(const uint64_t *d, const uint64_t *s, const uint64_t *n, uint32_t *o, Py_ssize_t count) {
+    Py_ssize_t waiting[2][3];
+    int held[2] = {0, 0};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint8_t *dst = (uint8_t *)(uintptr_t)d[i];
+        const uint8_t *src = (const uint8_t *)(uintptr_t)s[i];
+        int copying = src != NULL;
+        if (n[i] >= 3 * (uint64_t)BLOCK) {
+            o[i] = run(dst, copying ? src : dst, (size_t)n[i], copying);
+            continue;
+        }
+        waiting[copying][held[copying]++] = i;
+        if (held[copying] == 3) {
+            Py_ssize_t *w = waiting[copying];
+            uint8_t *dsts[3];
+            const uint8_t *srcs[3];
+            size_t sizes[3];
+            uint32_t crcs[3];
+            for (int j = 0; j < 3; j++) {
+                dsts[j] = (uint8_t *)(uintptr_t)d[w[j]];
+                srcs[j] = copying ? (const uint8_t *)(uintptr_t)s[w[j]] : dsts[j];
+                sizes[j] = (size_t)n[w[j]];
+            }
+            three(dsts, srcs, sizes, crcs, copying);
+            for (int j = 0; j < 3; j++) o[w[j]] = crcs[j];
+            held[copying] = 0;
+        }
+    }
+    for (int copying = 0; copying < 2; copying++)
+        for (int j = 0; j < held[copying]; j++) {
+            Py_ssize_t i = waiting[copying][j];
+            uint8_t *dst = (uint8_t *)(uintptr_t)d[i];
+            o[i] = run(dst, copying ? (const uint8_t *)(uintptr_t)s[i] : dst, (size_t)n[i], copying);
+        }
 }
 #endif
 
@@ -127,8 +197,7 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
         const uint64_t *d = dsts.buf, *s = srcs.buf, *n = sizes.buf;
         uint32_t *o = out.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++)
-            o[i] = copy_one((uint8_t *)(uintptr_t)d[i], (const uint8_t *)(uintptr_t)s[i], (size_t)n[i]);
+        copy_all(d, s, n, o, count);
         Py_END_ALLOW_THREADS
     }
 #endif

@@ -75,6 +75,11 @@ _QUANTIZED = frozenset(value for value in vars(torch).values()
                        if isinstance(value, torch.dtype) and str(value).startswith(("torch.qint", "torch.quint")))
 """The dtypes of quantized tensors (``tensor.is_quantized``; a set lookup is cheaper, per tensor of every save)."""
 
+_CHECKED = _QUANTIZED | frozenset(value for value in vars(torch).values()
+                                  if isinstance(value, torch.dtype) and value.is_complex)
+"""The dtypes :func:`signature` looks at twice: quantized, or complex (only a complex tensor has a
+conjugate bit); one set lookup per tensor instead of a ``dtype.is_complex`` read (80 ns)."""
+
 
 def signature(flat: Mapping[str, Any], pinned: bool | None = None) -> tuple[Any, ...] | None:
     """What a save's layout depends on: each tensor's key, shape, dtype, ``requires_grad`` and
@@ -83,14 +88,14 @@ def signature(flat: Mapping[str, Any], pinned: bool | None = None) -> tuple[Any,
     plans the save, and its writer resolves lazily conjugated or negated views)."""
     entries = []
     append = entries.append  # per tensor of every save: is_plain inlined, no lookups in the loop
-    tensor_type, strided = torch.Tensor, torch.strided
+    tensor_type, strided, checked = torch.Tensor, torch.strided, _CHECKED
     for key, value in flat.items():
         if key == SKELETON_KEY:
             continue
         dtype = value.dtype
-        if type(value) is not tensor_type or value.layout != strided or dtype in _QUANTIZED or value.is_neg() \
-                or (dtype.is_complex and value.is_conj()):
-            return None  # not is_plain, or not shows_its_bytes (only a complex tensor has a conjugate bit)
+        if type(value) is not tensor_type or value.layout is not strided or value.is_neg() \
+                or (dtype in checked and (dtype in _QUANTIZED or value.is_conj())):
+            return None  # not is_plain, or not shows_its_bytes
         append((key, value.shape, dtype, value.requires_grad, value.is_pinned() if pinned is None else pinned))
     return tuple(entries)
 
