@@ -145,6 +145,9 @@ def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is
         second = run(tmp_path)
     assert "resuming from the memory tier" in caplog.text
     assert "after global step 5 " in caplog.text  # step_info numbering: the 6th step
+    # the slot's items were hashed once, by choose(), not a second time by the load
+    assert re.search(r"checked every item's CRC32C of its slot \([\d.]+ MB, [\d.]+s with the agreement\) "
+                     r"before the step was chosen, then read [\d.]+ MB", caplog.text), caplog.text[-2000:]
     assert min(second.losses) == 7  # at most one step (the 7th) trained twice
     assert {**first.losses, **second.losses} == reference
     assert not tier(tmp_path).exists()  # fit ended normally: the tier's folders are gone

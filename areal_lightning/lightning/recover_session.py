@@ -273,8 +273,9 @@ class RecoverSession:
             # (hyper-parameters holding arbitrary objects; see the README's security note).
             try:
                 with bridged(trainer.strategy, self.io), \
-                        self.io.rank_local_paths() if memory is not None else contextlib.nullcontext():
-                    original(str(plan.path), self.weights_only)
+                        self.io.rank_local_paths() if memory is not None else contextlib.nullcontext(), \
+                        self.io.engine.checked_before(plan.path) if memory is not None else contextlib.nullcontext():
+                    original(str(plan.path), self.weights_only)  # a slot's items were checked by choose()
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
             self._to_live_names()
@@ -286,11 +287,16 @@ class RecoverSession:
                     f"global step {ckpt['global_step']}; {start_fresh(self.store.info_dir)}")
             step = plan.info[STEP_INFO]
             read = self.io.engine.last_read
+            if memory is not None:
+                checked = (f"this rank checked every item's CRC32C of its slot ({memory.checked_bytes / 1e6:.1f} MB, "
+                           f"{memory.check_s:.3f}s with the agreement) before the step was chosen, then read "
+                           f"{(read.nbytes if read else 0) / 1e6:.1f} MB")
+            else:
+                checked = (f"this rank read and verified {(read.nbytes if read else 0) / 1e6:.1f} MB "
+                           f"({read.verified if read else 0} items, {read.verify_s if read else 0.0:.3f}s hashing)")
             log.info("RecoverCallback: resuming from the %s tier, %s after global step %d (epoch %d, step %d in "
-                     "epoch); this rank read and verified %.1f MB (%d items, %.3fs hashing)",
-                     "memory" if memory is not None else "shared", plan.path, step["global_step"],
-                     step["epoch"], step["epoch_step"], (read.nbytes if read else 0) / 1e6,
-                     read.verified if read else 0, read.verify_s if read else 0.0)
+                     "epoch); %s", "memory" if memory is not None else "shared", plan.path, step["global_step"],
+                     step["epoch"], step["epoch_step"], checked)
 
         return resume_start
 

@@ -78,12 +78,13 @@ trusted storage (``weights_only=True`` restricts the skeleton like ``torch.load`
 from __future__ import annotations
 
 
+import contextlib
 import itertools
 import os
 import pickle
 import shutil
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Union
@@ -228,6 +229,7 @@ class DCPEngine:
         self.last_per_rank: dict[str, torch.Tensor] = {}
         """The tensors the last load gave this rank from its own per-rank copies, by flat key
         (:mod:`~areal_lightning.write.replicas`); for a caller that must apply them again."""
+        self._checked: Location | None = None  # see checked_before()
 
     @property
     def in_flight(self) -> str | None:
@@ -438,6 +440,18 @@ class DCPEngine:
         """Return once the in-flight save is durable; raise its (or a stored) failure."""
         self._worker.wait()
 
+    @contextlib.contextmanager
+    def checked_before(self, path: PathLike) -> Iterator[None]:
+        """Within: a load of ``path`` reads its items without checking their CRC32Cs again; the
+        caller checked every one just before and nothing writes there meanwhile (a memory-tier
+        slot, checked by :meth:`~areal_lightning.commit.memory_tier.MemoryTier.choose` before
+        every rank agreed on it: its bytes are read once more, not hashed twice)."""
+        self._checked = location(path)
+        try:
+            yield
+        finally:
+            self._checked = None
+
     def wait_quietly(self, path: PathLike | None = None) -> None:
         """Wait for the save in flight (and its ``then``), and for another engine of this
         process still writing ``path``; keep a failure for the next raising call."""
@@ -479,6 +493,7 @@ class DCPEngine:
         self.last_per_rank = {}
         path = check_complete(path, self.storage_options)
         reader = reader_of(path, self.storage_options, threads=read_threads)
+        reader.verify = path != self._checked
         try:
             metadata = reader.read_metadata()
         except Exception as exc:

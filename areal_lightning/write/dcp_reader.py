@@ -139,6 +139,7 @@ class AdoptingReader(FileSystemReader):
         self.failure: CheckpointCorruptError | None = None
         self.threads = READ_THREADS  # files read at once (1: one item's buffers at a time)
         self.split_files = True  # a whole load reads a file in parts at once where files < threads (local files)
+        self.verify = True  # False: the caller checked every item's CRC32C just before (a memory-tier slot)
         self._metadata: Metadata | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -180,9 +181,7 @@ class AdoptingReader(FileSystemReader):
                         self._read_raw(file, path, info, item, planner, stats)
                         continue
                     data = read_item(file, path, info, key)
-                    start = time.perf_counter()
-                    stats.verified += check_item(data, path, info, key)
-                    stats.verify_s += time.perf_counter() - start
+                    self._check(data, path, info, key, stats)
                 except CheckpointCorruptError as exc:
                     self.failure = self.failure or exc  # raised as itself by DCPEngine.load (DCP wraps it)
                     raise
@@ -193,6 +192,13 @@ class AdoptingReader(FileSystemReader):
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                 planner.load_tensor(item, _narrowed(tensor, item))
         return stats
+
+    def _check(self, data: Any, path: Any, info: Any, key: str, stats: Read) -> None:
+        """``check_item`` of an item's bytes (unless :attr:`verify` is off), counted in ``stats``."""
+        if self.verify:
+            start = time.perf_counter()
+            stats.verified += check_item(data, path, info, key)
+            stats.verify_s += time.perf_counter() - start
 
     def read_chunk(self, file: Any, path: Any, info: Any, index: Any,
                    target: torch.Tensor | None = None) -> tuple[torch.Tensor, memoryview]:
@@ -222,9 +228,7 @@ class AdoptingReader(FileSystemReader):
         direct = (type(dest) is torch.Tensor and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
                   and shows_its_bytes(dest))
         target, view = self.read_chunk(file, path, info, item.storage_index, dest if direct else None)
-        start = time.perf_counter()
-        stats.verified += check_item(view, path, info, key)
-        stats.verify_s += time.perf_counter() - start
+        self._check(view, path, info, key, stats)
         stats.nbytes += info.length
         if direct:
             planner.commit_tensor(item, target)
@@ -256,9 +260,7 @@ class AdoptingReader(FileSystemReader):
                                     f"{list(dest.shape)} of {dest.dtype} holds {dest.nbytes}; the checkpoint's "
                                     ".metadata is damaged")
                             data = read_into(file, dest, path, info.offset, key)
-                        start = time.perf_counter()
-                        stats.verified += check_item(data, path, info, key)
-                        stats.verify_s += time.perf_counter() - start
+                        self._check(data, path, info, key, stats)
                     except CheckpointCorruptError as exc:
                         self.failure = self.failure or exc
                         raise
