@@ -80,11 +80,12 @@ class SignalAt(pl.Callback):
 
 
 def run(root: Path, crash: int | None = None, memory: Any = True, freq_steps: int | None = 4,
-        fileroot: str | None = None, signal_at: tuple[int, int] | None = None, **options: Any) -> Net:
+        fileroot: str | None = None, signal_at: tuple[int, int] | None = None, watch: tuple[Any, ...] = (),
+        **options: Any) -> Net:
     """One fit of 2 epochs of 10 steps; the shared tier every ``freq_steps`` steps (in ``root``, or
     ``fileroot``), the memory tier in ``{root}/shm``; ``crash``: an exception at that step, before
     its save point; ``signal_at``: (step, signal) sent at that step's end (the run's exit code is
-    then the module's ``exit_code``)."""
+    then the module's ``exit_code``); ``watch``: more callbacks."""
     pl.seed_everything(0, verbose=False)
     net = Net()
     if memory is True:
@@ -92,7 +93,7 @@ def run(root: Path, crash: int | None = None, memory: Any = True, freq_steps: in
     recover = RecoverCallback(fileroot=fileroot or str(root), **WHERE, freq_steps=freq_steps, memory=memory,
                               **options)
     trainer = make_trainer(([CrashAt(crash)] if crash else []) + ([SignalAt(*signal_at)] if signal_at else [])
-                           + [recover])
+                           + [*watch, recover])
     if crash:
         with pytest.raises(Crash):
             trainer.fit(net, loader())
@@ -134,6 +135,14 @@ def flip_a_byte(slot: Path) -> None:
     data.write_bytes(bytes(raw))
 
 
+class LastRead(pl.Callback):
+    """What the resume's load read (the engine's ``last_read`` at the start of training)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        recover = next(c for c in trainer.callbacks if isinstance(c, RecoverCallback))
+        self.read = recover.checkpoint_io.engine.last_read
+
+
 def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is_removed_at_the_end(
         tmp_path, reference, caplog) -> None:
     first = run(tmp_path, crash=7)  # shared tier: step 4; memory tier: steps 5 and 6
@@ -141,10 +150,12 @@ def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is
     [report] = inspect_path(tmp_path, verify=True, memory_root=str(tmp_path / "shm"))
     assert report["memory"][0]["ranks"] == {"rank0": [5, 6]} and report["memory"][0]["newest_complete_step"] == 6
     assert report["memory"][0]["checksum"] == "ok"
+    load = LastRead()
     with caplog.at_level(logging.INFO, logger="areal_lightning"):
-        second = run(tmp_path)
+        second = run(tmp_path, watch=(load,))
     assert "resuming from the memory tier" in caplog.text
     assert "after global step 5 " in caplog.text  # step_info numbering: the 6th step
+    assert load.read.nbytes > 0 and load.read.verified == 0  # read, not hashed again
     # the slot's items were hashed once, by choose(), not a second time by the load
     assert re.search(r"checked every item's CRC32C of its slot \([\d.]+ MB, [\d.]+s with the agreement\) "
                      r"before the step was chosen, then read [\d.]+ MB", caplog.text), caplog.text[-2000:]
