@@ -432,10 +432,15 @@ def test_save_reads_nothing_and_records_every_items_crc_in_the_metadata(tmp_path
     assert data <= read <= data + 2 * files[COMMIT_MARKER] + (256 << 10)  # every byte read once
     assert engine.last_read.nbytes == data and engine.last_read.verified == len(md.storage_data)
     assert torch.equal(loaded["state_dict"]["big"], state["state_dict"]["big"])
-    with engine.checked_before(str(path)):  # the caller checked every item just before (a memory-tier slot)
+    data_files = {info.relative_path for info in md.storage_data.values()}
+    with engine.checked_before(str(path), data_files):  # the caller checked them just before (a memory-tier slot)
         again = engine.load(path)
     assert engine.last_read.nbytes == data and engine.last_read.verified == 0 and engine.last_read.verify_s == 0
     assert torch.equal(again["state_dict"]["big"], state["state_dict"]["big"])
+    first = sorted(data_files)[0]
+    with engine.checked_before(path, {first}):  # the other files' items are checked
+        engine.load(path)
+    assert engine.last_read.verified == sum(info.relative_path != first for info in md.storage_data.values()) > 0
     engine.load(path)  # only within, only that path
     assert engine.last_read.verified == len(md.storage_data)
     engine.close()

@@ -327,6 +327,9 @@ def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied
     tier, step = ("shared", 4) if memory_lost else ("memory", 5)
     assert rerun.stderr.count(f"resuming from the {tier} tier") == devices, rerun.stderr[-3000:]
     assert f"after global step {step} " in rerun.stderr
+    if tier == "memory":  # its own slot checked before the choice; what rank 0 sent (its skeleton, at least) hashed
+        received = re.findall(r"then read [\d.]+ MB, [1-9]\d* items received from rank 0 hashed as read", rerun.stderr)
+        assert len(received) == devices - 1, rerun.stderr[-3000:]
     for rank in range(devices):
         want, got = step_losses(f"{ref_root}/losses.rank{rank}"), step_losses(tmp_path / f"losses.rank{rank}")
         assert got == want

@@ -102,6 +102,8 @@ class Chosen:
     check_s: float
     path: Path | None = None
     """The folder this rank loads (:func:`~areal_lightning.write.persist.resume_view`)."""
+    checked_files: frozenset[str] = frozenset()
+    """The data files of ``path`` that are this rank's slot files (checked here before the choice)."""
 
 
 def _read_seal(folder: Path, slot: int) -> Seal | None:
@@ -352,7 +354,7 @@ class MemoryTier:
             break
         if chosen is not None:  # what this rank loads: the shared checkpoint's view of this step
             shutil.rmtree(self.view_folder, ignore_errors=True)
-            chosen.path = resume_view(chosen.seal.path, self.view_folder, ranks)
+            chosen.path, chosen.checked_files = resume_view(chosen.seal.path, self.view_folder, ranks)
         if skipped and self.rank == 0:
             log.warning("RecoverCallback: memory tier %s: skipped %s; %s", self.folder, " | ".join(skipped),
                         f"resuming from its step {chosen.seal.global_step}" if chosen is not None

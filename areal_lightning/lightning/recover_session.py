@@ -274,8 +274,9 @@ class RecoverSession:
             try:
                 with bridged(trainer.strategy, self.io), \
                         self.io.rank_local_paths() if memory is not None else contextlib.nullcontext(), \
-                        self.io.engine.checked_before(plan.path) if memory is not None else contextlib.nullcontext():
-                    original(str(plan.path), self.weights_only)  # a slot's items were checked by choose()
+                        self.io.engine.checked_before(plan.path, plan.checked_files) if memory is not None \
+                        else contextlib.nullcontext():
+                    original(str(plan.path), self.weights_only)  # this rank's slot was checked by choose()
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
             self._to_live_names()
@@ -288,9 +289,11 @@ class RecoverSession:
             step = plan.info[STEP_INFO]
             read = self.io.engine.last_read
             if memory is not None:
+                received = f", {read.verified} items received from rank 0 hashed as read" if read and read.verified \
+                    else ""
                 checked = (f"this rank checked every item's CRC32C of its slot ({memory.checked_bytes / 1e6:.1f} MB, "
                            f"{memory.check_s:.3f}s with the agreement) before the step was chosen, then read "
-                           f"{(read.nbytes if read else 0) / 1e6:.1f} MB")
+                           f"{(read.nbytes if read else 0) / 1e6:.1f} MB{received}")
             else:
                 checked = (f"this rank read and verified {(read.nbytes if read else 0) / 1e6:.1f} MB "
                            f"({read.verified if read else 0} items, {read.verify_s if read else 0.0:.3f}s hashing)")
@@ -311,7 +314,7 @@ class RecoverSession:
         chosen = self.memory.choose(self.ranks, self.trainer.world_size, self.shared_step, fresh)
         if chosen is None:
             return None
-        return ResumePlan(chosen.path, chosen.info, chosen.nbytes, chosen.check_s)
+        return ResumePlan(chosen.path, chosen.info, chosen.nbytes, chosen.check_s, chosen.checked_files)
 
     def _to_live_names(self) -> None:
         """The loaded model state under the live model's names: a recover checkpoint stores them

@@ -53,6 +53,9 @@ class ResumePlan:
     """Bytes rank 0 read to check the files before loading (``.metadata``; all of a
     checkpoint of an earlier version, whose items carry no checksums)."""
     check_s: float
+    checked_files: frozenset[str] = frozenset()
+    """Data files of ``path`` whose every item was checked just before (a memory-tier slot's own
+    files, by ``MemoryTier.choose``): the load does not hash them again."""
 
 
 def strategy_family(strategy: Any) -> str:

@@ -84,7 +84,7 @@ import os
 import pickle
 import shutil
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Union
@@ -229,7 +229,7 @@ class DCPEngine:
         self.last_per_rank: dict[str, torch.Tensor] = {}
         """The tensors the last load gave this rank from its own per-rank copies, by flat key
         (:mod:`~areal_lightning.write.replicas`); for a caller that must apply them again."""
-        self._checked: Location | None = None  # see checked_before()
+        self._checked: tuple[Location, frozenset[str]] | None = None  # see checked_before()
 
     @property
     def in_flight(self) -> str | None:
@@ -441,12 +441,13 @@ class DCPEngine:
         self._worker.wait()
 
     @contextlib.contextmanager
-    def checked_before(self, path: PathLike) -> Iterator[None]:
-        """Within: a load of ``path`` reads its items without checking their CRC32Cs again; the
-        caller checked every one just before and nothing writes there meanwhile (a memory-tier
-        slot, checked by :meth:`~areal_lightning.commit.memory_tier.MemoryTier.choose` before
-        every rank agreed on it: its bytes are read once more, not hashed twice)."""
-        self._checked = location(path)
+    def checked_before(self, path: PathLike, files: Iterable[str]) -> Iterator[None]:
+        """Within: a load of ``path`` reads the items of its data ``files`` (names in the folder)
+        without checking their CRC32Cs again; the caller checked every one just before and
+        nothing writes there meanwhile (a memory-tier slot, checked by
+        :meth:`~areal_lightning.commit.memory_tier.MemoryTier.choose` before every rank agreed on
+        it: its bytes are read once more, not hashed twice). Items of other files are checked."""
+        self._checked = (location(path), frozenset(files))
         try:
             yield
         finally:
@@ -493,7 +494,8 @@ class DCPEngine:
         self.last_per_rank = {}
         path = check_complete(path, self.storage_options)
         reader = reader_of(path, self.storage_options, threads=read_threads)
-        reader.verify = path != self._checked
+        if self._checked is not None and path == self._checked[0]:
+            reader.checked_files = self._checked[1]
         try:
             metadata = reader.read_metadata()
         except Exception as exc:

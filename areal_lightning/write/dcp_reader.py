@@ -157,7 +157,7 @@ class AdoptingReader(FileSystemReader):
         self.failure: CheckpointCorruptError | None = None
         self.threads = READ_THREADS  # files read at once (1: one item's buffers at a time)
         self.split_files = True  # a whole load reads a file in parts at once where files < threads (local files)
-        self.verify = True  # False: the caller checked every item's CRC32C just before (a memory-tier slot)
+        self.checked_files: frozenset[str] = frozenset()  # whose items the caller checked just before: not hashed
         self._metadata: Metadata | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -213,8 +213,9 @@ class AdoptingReader(FileSystemReader):
         return stats
 
     def _check(self, data: Any, path: Any, info: Any, key: str, stats: Read) -> None:
-        """``check_item`` of an item's bytes (unless :attr:`verify` is off), counted in ``stats``."""
-        if self.verify:
+        """``check_item`` of an item's bytes (unless its file is one of :attr:`checked_files`),
+        counted in ``stats``."""
+        if info.relative_path not in self.checked_files:
             start = time.perf_counter()
             stats.verified += check_item(data, path, info, key)
             stats.verify_s += time.perf_counter() - start

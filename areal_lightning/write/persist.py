@@ -201,13 +201,15 @@ def persist(slot: Path, out: Path | str, ranks: CheckpointGroup, then: Callable[
     return written
 
 
-def resume_view(slot: Path, view: Path, ranks: CheckpointGroup) -> Path:
+def resume_view(slot: Path, view: Path, ranks: CheckpointGroup) -> tuple[Path, frozenset[str]]:
     """Collective: this rank's view of the shared checkpoint every rank's sealed ``slot`` makes
     (:func:`plan`), as a folder ``view`` a load reads: the items this rank holds read from its
     own slot (its data file linked in), its own copies of per-rank tensors under their per-rank
     keys (so the load gives them back to this rank, as from a shared checkpoint), and what only
     rank 0 holds (its skeleton, e.g. a ZeRO optimizer's consolidated state) received from rank 0.
-    So every rank resumes what it would resume from the shared tier's checkpoint of that step."""
+    So every rank resumes what it would resume from the shared tier's checkpoint of that step.
+    Returns the folder and the names of its files that are this rank's slot files (hard links:
+    the bytes the caller checked), not those received or copied."""
     rank, metas, merged = _gathered(slot, ranks, f"memory tier: the slots of the step to resume ({slot})")
     error: BaseException | None = None
     own = {_key(index): info for index, info in metas[rank].storage_data.items()}
@@ -250,17 +252,19 @@ def resume_view(slot: Path, view: Path, ranks: CheckpointGroup) -> Path:
             else:
                 new = info  # another rank's (or rank 0's per-rank) item: this rank does not read it
             storage[index] = new
+    same: set[str] = set()
     for source, name in linked.items():
         target = view / name
         target.unlink(missing_ok=True)
         try:
             os.link(slot / source, target)
+            same.add(name)
         except OSError:  # another file system: a copy
             shutil.copyfile(slot / source, target)
     view_md = Metadata(state_dict_metadata=merged.metadata.state_dict_metadata, planner_data=merged.metadata.planner_data,
                        storage_data=storage, version=merged.metadata.version)
     write_metadata(view, view_md, Written(), points=(None, None))
-    return view
+    return view, frozenset(same)
 
 
 def merged_view(slots: list[Path], view: Path) -> Path:
