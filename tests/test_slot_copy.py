@@ -2,7 +2,8 @@
 ``ctypes.memmove`` and the ``crc32c`` package on every path of its code: the three-chain main
 loop of three chains over 3 x 64 KB blocks, the one chain of a remainder and of a smaller item,
 its 8-byte words and its last bytes; three small items in lockstep;
-misaligned sources and destinations; checksum-only entries; several items in one call."""
+misaligned sources and destinations; checksum-only entries; several items in one call; stores
+streamed past the caches and ordinary ones."""
 
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ def lengths() -> list[int]:
     return edge + [rng.randrange(0, 1 << 21) for _ in range(60)] + [rng.randrange(0, 4096) for _ in range(60)]
 
 
-def test_one_pass_copies_match_memmove_and_their_checksums_the_crc32c_package(native) -> None:
+@pytest.mark.parametrize("stream_min", [0, 1 << 62], ids=["stores-streamed", "ordinary-stores"])
+def test_one_pass_copies_match_memmove_and_their_checksums_the_crc32c_package(native, stream_min) -> None:
+    """Every path, with the stores streamed past the caches (a call of 4 MB or more) and with
+    ordinary stores (a smaller call)."""
     rng = random.Random(1)
     source = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     sizes = lengths()
@@ -59,7 +63,7 @@ def test_one_pass_copies_match_memmove_and_their_checksums_the_crc32c_package(na
     base, src_base = target.data_ptr(), source.data_ptr()
     out = array("I", bytes(4 * len(sizes)))
     native.copy(array("Q", [base + d for d in dst_at]), array("Q", [src_base + s for s in src_at]),
-                array("Q", sizes), out)
+                array("Q", sizes), out, stream_min)
     expected = target.clone().fill_(0xA5)
     for n, s, d, value in zip(sizes, src_at, dst_at, out):
         piece = source[s:s + n]
@@ -68,13 +72,15 @@ def test_one_pass_copies_match_memmove_and_their_checksums_the_crc32c_package(na
     assert torch.equal(target, expected)  # every byte copied, none outside the items written
     # checksum-only entries (source 0): the CRC32C of the destination's bytes, nothing written
     again = array("I", bytes(4 * len(sizes)))
-    native.copy(array("Q", [base + d for d in dst_at]), array("Q", bytes(8 * len(sizes))), array("Q", sizes), again)
+    native.copy(array("Q", [base + d for d in dst_at]), array("Q", bytes(8 * len(sizes))), array("Q", sizes), again,
+                stream_min)
     assert again == out and torch.equal(target, expected)
     # both kinds in one call, interleaved (small items run three of a kind at a time)
     target.fill_(0xA5)
     mixed = array("I", bytes(4 * len(sizes)))
     native.copy(array("Q", [base + d for d in dst_at]),
-                array("Q", [src_base + s if i % 3 else 0 for i, s in enumerate(src_at)]), array("Q", sizes), mixed)
+                array("Q", [src_base + s if i % 3 else 0 for i, s in enumerate(src_at)]), array("Q", sizes), mixed,
+                stream_min)
     for i, (n, s, d, value) in enumerate(zip(sizes, src_at, dst_at, mixed)):
         if i % 3 == 0:
             expected[d:d + n] = 0xA5
