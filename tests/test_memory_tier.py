@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from areal_lightning import ConfigError, RecoverCallback
 from areal_lightning import MemorySpaceError
+from areal_lightning.commit import memory_tier
 from areal_lightning.commit.memory_tier import tier_folder
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL
 from areal_lightning.tools.inspect import inspect_path
@@ -144,21 +145,27 @@ class LastRead(pl.Callback):
 
 
 def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is_removed_at_the_end(
-        tmp_path, reference, caplog) -> None:
+        tmp_path, reference, caplog, monkeypatch) -> None:
     first = run(tmp_path, crash=7)  # shared tier: step 4; memory tier: steps 5 and 6
     assert seals(tmp_path) == {0: 5, 1: 6} or seals(tmp_path) == {0: 6, 1: 5}
     [report] = inspect_path(tmp_path, verify=True, memory_root=str(tmp_path / "shm"))
     assert report["memory"][0]["ranks"] == {"rank0": [5, 6]} and report["memory"][0]["newest_complete_step"] == 6
     assert report["memory"][0]["checksum"] == "ok"
     load = LastRead()
+    passes = []  # a spy: the CRC32C passes over a slot before a load (the real function runs)
+    check = memory_tier.verify_mapped
+    monkeypatch.setattr(memory_tier, "verify_mapped", lambda *a, **k: passes.append(a) or check(*a, **k))
     with caplog.at_level(logging.INFO, logger="areal_lightning"):
         second = run(tmp_path, watch=(load,))
     assert "resuming from the memory tier" in caplog.text
     assert "after global step 5 " in caplog.text  # step_info numbering: the 6th step
-    assert load.read.nbytes > 0 and load.read.verified == 0  # read, not hashed again
-    # the slot's items were hashed once, by choose(), not a second time by the load
-    assert re.search(r"checked every item's CRC32C of its slot \([\d.]+ MB, [\d.]+s with the agreement\) "
-                     r"before the step was chosen, then read [\d.]+ MB", caplog.text), caplog.text[-2000:]
+    # a replicated strategy: the slot was read once, by the load choose() ran, every item hashed
+    # as it was read; no CRC32C pass over it before, no second read after
+    assert passes == []
+    said = re.search(r"this rank read its slot once, [\d.]+ MB, every item's CRC32C checked as read \((\d+) items, "
+                     r"[\d.]+s hashing\), before the step was chosen", caplog.text)
+    assert said, caplog.text[-2000:]
+    assert load.read.nbytes > 0 and load.read.verified == int(said.group(1)) > 10
     assert min(second.losses) == 7  # at most one step (the 7th) trained twice
     assert {**first.losses, **second.losses} == reference
     assert not tier(tmp_path).exists()  # fit ended normally: the tier's folders are gone
@@ -290,6 +297,39 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_recover.py"
 
 
 @pytest.mark.slow
+def test_on_ddp_a_flipped_byte_in_one_ranks_slot_fails_its_load_and_every_rank_falls_back_together(
+        tmp_path, tmp_path_factory) -> None:
+    """DDP on 2 ranks, SIGKILL at step 7, one byte flipped in rank 1's slot of step 6. A replicated
+    strategy loads each candidate step while choosing it, hashing every item as it reads it (no
+    CRC32C pass before): rank 1's load fails, rank 0's succeeds, and both ranks take step 5 from
+    their older slots, with one log line naming rank 1 and the check; losses bit for bit."""
+    from tests.harness.losses import step_losses
+
+    def command(root: str, *extra: str) -> list[str]:
+        return [sys.executable, str(SCRIPT), "--root", root, "--losses", f"{root}/losses", "--devices", "2",
+                "--strategy", "ddp", "--epochs", "2", *extra]
+
+    ref_root, ref = reference_run(tmp_path_factory, command("{root}"), timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = subprocess.run(command(str(tmp_path), "--memory", "--kill-at-step", "7"), capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode != 0
+    rank1 = tier_folder(str(tmp_path / "memory"), "u", "exp", "t", "default") / "rank1"
+    [newest] = [seal.parent for seal in rank1.glob(f"slot*/{MEMORY_SEAL}")
+                if json.loads(seal.read_text())["global_step"] == 6]
+    flip_a_byte(newest)
+    rerun = subprocess.run(command(str(tmp_path), "--memory"), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    skipped = [line for line in rerun.stderr.splitlines() if "memory tier" in line and "skipped" in line]
+    assert len(skipped) == 1 and "step 6: rank 1:" in skipped[0] and "CRC32C" in skipped[0], rerun.stderr[-3000:]
+    assert "rank 0:" not in skipped[0] and "resuming from its step 5" in skipped[0]
+    assert rerun.stderr.count("resuming from the memory tier") == 2 and "after global step 4 " in rerun.stderr
+    assert len(re.findall(r"read its slot once, [\d.]+ MB, every item's CRC32C checked", rerun.stderr)) == 2
+    for rank in range(2):
+        assert step_losses(tmp_path / f"losses.rank{rank}") == step_losses(f"{ref_root}/losses.rank{rank}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, devices, memory_lost", [("fsdp2", 2, False), ("fsdp1", 2, True),
                                                             ("ddp", 4, False)])
 def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied_from_it(
@@ -327,7 +367,12 @@ def test_sharded_strategies_resume_from_the_tier_and_from_the_shared_tier_copied
     tier, step = ("shared", 4) if memory_lost else ("memory", 5)
     assert rerun.stderr.count(f"resuming from the {tier} tier") == devices, rerun.stderr[-3000:]
     assert f"after global step {step} " in rerun.stderr
-    if tier == "memory":  # its own slot checked before the choice; what rank 0 sent (its skeleton, at least) hashed
+    if tier == "memory" and strategy == "ddp":  # loaded into new tensors: each rank's view read once, all hashed
+        once = re.findall(r"read its slot once, [\d.]+ MB, every item's CRC32C checked as read \([1-9]\d* items",
+                          rerun.stderr)
+        assert len(once) == devices, rerun.stderr[-3000:]
+    elif tier == "memory":  # loaded into the live shards: its own slot checked before the choice; what rank 0
+        # sent (its skeleton, at least) hashed as read
         received = re.findall(r"then read [\d.]+ MB, [1-9]\d* items received from rank 0 hashed as read", rerun.stderr)
         assert len(received) == devices - 1, rerun.stderr[-3000:]
     for rank in range(devices):

@@ -28,9 +28,13 @@ Resuming (:meth:`MemoryTier.choose`, collective): every rank reports the steps i
 newest step sealed by every rank (with the run's world size), not older than the shared tier's
 checkpoint, is verified by every rank (the seal, ``.metadata``'s CRC32C, every item's CRC32C);
 a step some rank cannot restore is skipped (the next older one is tried, then the shared
-tier), and the log names what was skipped and why. Each rank then loads its view of the shared
-checkpoint that step makes (:func:`~areal_lightning.write.persist.resume_view`). Every slot but
-the chosen one is unsealed: the run goes on from the chosen step, or from the shared tier.
+tier), and the log names what was skipped and why. Each rank loads its view of the shared
+checkpoint that step makes (:func:`~areal_lightning.write.persist.resume_view`). A replicated
+strategy loads into new tensors, so the load itself is the check (every item hashed as it is
+read, the slot read once; the ranks agree on its outcome before Lightning restores anything);
+a sharded one loads into the live model's shards, so its slot is checked first, by a CRC32C
+pass, and loaded after the choice. Every slot but the chosen one is unsealed: the run goes on
+from the chosen step, or from the shared tier.
 """
 
 from __future__ import annotations
@@ -104,6 +108,9 @@ class Chosen:
     """The folder this rank loads (:func:`~areal_lightning.write.persist.resume_view`)."""
     checked_files: frozenset[str] = frozenset()
     """The data files of ``path`` that are this rank's slot files (checked here before the choice)."""
+    loaded: Any = None
+    """With a ``load`` (see :meth:`MemoryTier.choose`): what it returned for ``path``, every item
+    hashed as it was read (then ``checked_files`` is empty: nothing is read again)."""
 
 
 def _read_seal(folder: Path, slot: int) -> Seal | None:
@@ -138,13 +145,13 @@ def local_nbytes(state: Any) -> int:
     return total
 
 
-def verify_slot(seal: Seal) -> tuple[str | None, int]:
-    """Check a sealed slot: ``.metadata``'s CRC32C against the seal, every item's CRC32C.
-    Returns (``None`` or why it cannot be restored, bytes read)."""
+def verify_slot(seal: Seal, items: bool = True) -> tuple[str | None, int]:
+    """Check a sealed slot: ``.metadata``'s CRC32C against the seal, then (``items``) every
+    item's CRC32C. Returns (``None`` or why it cannot be restored, bytes read)."""
     try:
         if file_crc32c(seal.path / COMMIT_MARKER) != seal.metadata_crc32c:
             return f"{seal.path / COMMIT_MARKER} fails its CRC32C check", 0
-        return None, verify_mapped(seal.path, "the slot is damaged")
+        return None, verify_mapped(seal.path, "the slot is damaged") if items else 0
     except (OSError, CheckpointCorruptError) as exc:
         return str(exc), 0
 
@@ -299,12 +306,20 @@ class MemoryTier:
     # -- resume -----------------------------------------------------------------------------
 
     def choose(self, ranks: CheckpointGroup, world_size: int, shared_step: int | None,
-               fresh_start: bool = False) -> Chosen | None:
+               fresh_start: bool = False, load: Callable[[Path], Any] | None = None) -> Chosen | None:
         """Collective: the newest step every rank sealed and can restore, if not older than the
         shared tier's ``shared_step`` (``None``: the shared tier has no checkpoint); every other
         slot of this rank is unsealed (see the module doc). Logs what was skipped and why.
         ``fresh_start``: the user deleted the shared tier's ``recover_info`` (the documented
-        fresh start): slots that follow a shared save are not taken."""
+        fresh start): slots that follow a shared save are not taken.
+
+        Every item of a step is checked before it is chosen. Without ``load`` (a sharded
+        strategy, whose load writes into the live model's shards) by a CRC32C pass over this
+        rank's slot, then the caller loads it. With ``load`` (a load into new tensors: nothing
+        live changes until Lightning restores from its result) by ``load(view)`` itself, which
+        hashes every item as it reads it: the slot is read once, and what it returned is
+        :attr:`Chosen.loaded`; a damaged item fails that load and the ranks agree on the next
+        step as after a failed check."""
         start = time.perf_counter()
         by_step = self._by_step()
         own = {step: (seal.world_size, seal.lineage) for step, seal in by_step.items()}
@@ -341,18 +356,24 @@ class MemoryTier:
                 self._restore(step, holders, copies, ranks)
                 by_step = self._by_step()
             seal = by_step.get(step)
-            reason, nbytes = verify_slot(seal) if seal is not None else ("its slot was not restored", 0)
+            reason, nbytes = verify_slot(seal, items=load is None) if seal is not None \
+                else ("its slot was not restored", 0)
             info = seal.info if self.rank == 0 and seal is not None else None
             answers = ranks.agree(None, "memory tier: the slots check", (reason, info)) if world_size > 1 \
                 else [(reason, info)]
             bad = [f"rank {r}: {why}" for r, (why, _) in enumerate(answers) if why is not None]
+            if not bad and load is not None:
+                assert seal is not None
+                loaded, bad = self._load(seal, load, ranks, world_size)
             if bad:
                 skipped.append(f"step {step}: {'; '.join(bad[:4])}")
                 continue
             assert seal is not None
             chosen = Chosen(seal, answers[0][1], nbytes, time.perf_counter() - start)
+            if load is not None:  # read once, by the load (nbytes: the check's own reads, none)
+                chosen.path, chosen.loaded = self.view_folder, loaded
             break
-        if chosen is not None:  # what this rank loads: the shared checkpoint's view of this step
+        if chosen is not None and load is None:  # what this rank loads: the shared checkpoint's view of this step
             shutil.rmtree(self.view_folder, ignore_errors=True)
             chosen.path, chosen.checked_files = resume_view(chosen.seal.path, self.view_folder, ranks)
         if skipped and self.rank == 0:
@@ -362,6 +383,26 @@ class MemoryTier:
                         else "the shared tier has no checkpoint either: starting from the beginning")
         self._keep_only(chosen.seal if chosen is not None else None)
         return chosen
+
+    def _load(self, seal: Seal, load: Callable[[Path], Any], ranks: CheckpointGroup,
+              world_size: int) -> tuple[Any, list[str]]:
+        """Collective, for :meth:`choose`: ``load`` of this step's view (every rank's slot of
+        ``seal``'s step, :func:`resume_view`), every item hashed as it is read. Returns what it
+        returned and, for every rank whose read found a damaged or unreadable item, why; another
+        failure is raised on every rank."""
+        shutil.rmtree(self.view_folder, ignore_errors=True)
+        view, _ = resume_view(seal.path, self.view_folder, ranks)
+        loaded, reason, error = None, None, None
+        try:
+            loaded = load(view)
+        except (OSError, CheckpointCorruptError) as exc:
+            reason = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = exc
+        reasons = ranks.agree(error, "memory tier: the slots read", reason) if world_size > 1 else [reason]
+        if error is not None:
+            raise error
+        return loaded, [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
 
     def _by_step(self) -> dict[int, Seal]:
         """This rank's sealed slots by step (of duplicates, none written but a copied folder could

@@ -117,6 +117,7 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         self.own_paths = False
         """While set (:meth:`rank_local_paths`), a bridged load reads the path each rank was given
         (a memory-tier view of its own) instead of rank 0's."""
+        self._preloaded: tuple[str, dict[str, Any]] | None = None  # see preloaded()
 
     @property
     def mode(self) -> str:
@@ -158,6 +159,17 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
             yield
         finally:
             self.own_paths = False
+
+    @contextlib.contextmanager
+    def preloaded(self, path: PathLike, checkpoint: dict[str, Any]) -> Iterator[None]:
+        """Within: the first :meth:`load_checkpoint` of ``path`` returns ``checkpoint`` (read and
+        verified from ``path`` already: a memory-tier step loaded while it was chosen) instead
+        of reading it again."""
+        self._preloaded = (os.fspath(path), checkpoint)
+        try:
+            yield
+        finally:
+            self._preloaded = None
 
     def add_staging_waiter(self) -> None:
         """Something (a callback) waits for staging before the next optimizer step, so an
@@ -249,11 +261,14 @@ class DCPCheckpointIO(*bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise ConfigTypeError("map_location", f"DCPCheckpointIO.load_checkpoint: expected None, a torch.device or "
                                   f"a device string, got {type(map_location).__name__}")
-        if is_remote(path):
-            path = resolve(str(path), self._engine.storage_options)
-        elif not self._engine.is_collective():  # collective loads: the bridge repairs on rank 0 first
-            self.repair(path)
-        checkpoint = self._engine.load(path, template=template, weights_only=weights_only)
+        if self._preloaded is not None and self._preloaded[0] == os.fspath(path) and template is None:
+            checkpoint, self._preloaded = self._preloaded[1], None
+        else:
+            if is_remote(path):
+                path = resolve(str(path), self._engine.storage_options)
+            elif not self._engine.is_collective():  # collective loads: the bridge repairs on rank 0 first
+                self.repair(path)
+            checkpoint = self._engine.load(path, template=template, weights_only=weights_only)
         if map_location is not None and torch.device(map_location).type != "cpu":
             checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))
         return checkpoint

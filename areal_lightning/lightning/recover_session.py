@@ -275,8 +275,10 @@ class RecoverSession:
                 with bridged(trainer.strategy, self.io), \
                         self.io.rank_local_paths() if memory is not None else contextlib.nullcontext(), \
                         self.io.engine.checked_before(plan.path, plan.checked_files) if memory is not None \
+                        else contextlib.nullcontext(), \
+                        self.io.preloaded(plan.path, plan.loaded) if memory is not None and plan.loaded is not None \
                         else contextlib.nullcontext():
-                    original(str(plan.path), self.weights_only)  # this rank's slot was checked by choose()
+                    original(str(plan.path), self.weights_only)  # this rank's slot was checked (or read) by choose()
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
             self._to_live_names()
@@ -288,7 +290,12 @@ class RecoverSession:
                     f"global step {ckpt['global_step']}; {start_fresh(self.store.info_dir)}")
             step = plan.info[STEP_INFO]
             read = self.io.engine.last_read
-            if memory is not None:
+            if memory is not None and memory.loaded is not None:
+                checked = (f"this rank read its slot once, {(read.nbytes if read else 0) / 1e6:.1f} MB, every item's "
+                           f"CRC32C checked as read ({read.verified if read else 0} items, "
+                           f"{read.verify_s if read else 0.0:.3f}s hashing), before the step was chosen "
+                           f"({memory.check_s:.3f}s with the agreements)")
+            elif memory is not None:
                 received = f", {read.verified} items received from rank 0 hashed as read" if read and read.verified \
                     else ""
                 checked = (f"this rank checked every item's CRC32C of its slot ({memory.checked_bytes / 1e6:.1f} MB, "
@@ -311,10 +318,17 @@ class RecoverSession:
         fresh = self.trainer.is_global_zero and self.shared_step is None and self.store.info_deleted()
         if self.trainer.world_size > 1:
             fresh = bool(self.ranks.agree(None, "memory tier: a fresh start", fresh)[0])
-        chosen = self.memory.choose(self.ranks, self.trainer.world_size, self.shared_step, fresh)
+        # a replicated strategy loads into new tensors: choose() loads each candidate step itself,
+        # checking every item as it is read (the slot read once); a sharded one loads into the
+        # live model's shards, so its slot is checked before anything is loaded
+        weights_only = self.weights_only
+        load = None if is_sharded(self.trainer.strategy) else \
+            (lambda path: self.io.engine.load(path, weights_only=weights_only))
+        chosen = self.memory.choose(self.ranks, self.trainer.world_size, self.shared_step, fresh, load=load)
         if chosen is None:
             return None
-        return ResumePlan(chosen.path, chosen.info, chosen.nbytes, chosen.check_s, chosen.checked_files)
+        return ResumePlan(chosen.path, chosen.info, chosen.nbytes, chosen.check_s, chosen.checked_files,
+                          chosen.loaded)
 
     def _to_live_names(self) -> None:
         """The loaded model state under the live model's names: a recover checkpoint stores them

@@ -56,6 +56,9 @@ class ResumePlan:
     checked_files: frozenset[str] = frozenset()
     """Data files of ``path`` whose every item was checked just before (a memory-tier slot's own
     files, by ``MemoryTier.choose``): the load does not hash them again."""
+    loaded: Any = None
+    """What a load of ``path`` returned already (``MemoryTier.choose`` read and checked it): the
+    load that follows takes it instead of reading again."""
 
 
 def strategy_family(strategy: Any) -> str:
