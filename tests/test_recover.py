@@ -484,19 +484,27 @@ class _Opaque:
         self.value = value
 
 
-def test_auto_resume_unpickles_with_weights_only_unless_told_otherwise(tmp_path) -> None:
+@pytest.mark.parametrize("memory", [False, True], ids=["shared-tier", "memory-tier"])
+def test_auto_resume_unpickles_with_weights_only_unless_told_otherwise(tmp_path, memory) -> None:
     """Auto-resume loads the non-tensor state with weights_only=True: an arbitrary object in
     the hyper-parameters of a checkpoint written with weights_only=False (a run with the default
     refuses it at its first save: tests/test_loadable_state.py) is refused with an explanation
-    (nothing touched); allowlisting the type or weights_only=False (trusted storage) resumes."""
-    run(tmp_path, crash_at=6, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs={"weights_only": False})
+    (nothing touched: with the memory tier, whose step is loaded while it is chosen, its slots
+    too); allowlisting the type or weights_only=False (trusted storage) resumes."""
+    tier = {"memory": {"root": str(tmp_path / "shm")}} if memory else {}
+    run(tmp_path, crash_at=6, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs={"weights_only": False, **tier})
     before = snapshot(tmp_path)
+    slots = {str(p): p.read_bytes() for p in sorted((tmp_path / "shm").rglob("*")) if p.is_file()}
+    assert bool(slots) == memory
     with pytest.raises(pickle.UnpicklingError, match="weights_only=True.*add_safe_globals"):
-        run(tmp_path, module_kwargs={"opaque": _Opaque(3)})
+        run(tmp_path, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs=tier)
     assert snapshot(tmp_path) == before
+    if memory:  # every slot still sealed, no byte changed (the view folder a load reads aside)
+        assert {k: v for k, v in ((str(p), p.read_bytes()) for p in sorted((tmp_path / "shm").rglob("*"))
+                                  if p.is_file()) if "/resume/" not in k} == slots
     with torch.serialization.safe_globals([_Opaque]):
-        resumed = run(tmp_path, module_kwargs={"opaque": _Opaque(3)})
-    assert min(resumed.losses) == 5  # the checkpoint of step 4
+        resumed = run(tmp_path, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs=tier)
+    assert min(resumed.losses) == (6 if memory else 5)  # the slot of step 5, the checkpoint of step 4
     module = run(tmp_path, module_kwargs={"opaque": _Opaque(3)}, cb_kwargs={"weights_only": False}, max_epochs=3)
     assert min(module.losses) == max(resumed.losses) + 1  # resumed from its end, trusting the storage
 
