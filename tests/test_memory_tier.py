@@ -9,6 +9,7 @@ session's close). The SIGKILLs at the tier's fault points, on 1 and 2 ranks, are
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from areal_lightning import ConfigError, RecoverCallback
-from areal_lightning import MemorySpaceError
+from areal_lightning import DCPCheckpointIO, MemorySpaceError
 from areal_lightning.commit import memory_tier
 from areal_lightning.commit.memory_tier import tier_folder
 from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL
@@ -137,11 +139,25 @@ def flip_a_byte(slot: Path) -> None:
 
 
 class LastRead(pl.Callback):
-    """What the resume's load read (the engine's ``last_read`` at the start of training)."""
+    """What the resume's load read (the engine's ``last_read`` at the start of training), and
+    whether the loaded checkpoint a memory-tier choice handed to Lightning (``preloaded``) is
+    still alive then: once restored, only the live model and optimizers may hold its state."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.handed: list[weakref.ref] = []
+        preloaded = DCPCheckpointIO.preloaded
+
+        def spy(io, path, checkpoint):
+            self.handed.append(weakref.ref(next(iter(checkpoint["state_dict"].values()))))
+            return preloaded(io, path, checkpoint)
+
+        monkeypatch.setattr(DCPCheckpointIO, "preloaded", spy)
 
     def on_train_start(self, trainer, pl_module) -> None:
         recover = next(c for c in trainer.callbacks if isinstance(c, RecoverCallback))
         self.read = recover.checkpoint_io.engine.last_read
+        gc.collect()
+        self.alive = [ref() is not None for ref in self.handed]
 
 
 def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is_removed_at_the_end(
@@ -151,7 +167,7 @@ def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is
     [report] = inspect_path(tmp_path, verify=True, memory_root=str(tmp_path / "shm"))
     assert report["memory"][0]["ranks"] == {"rank0": [5, 6]} and report["memory"][0]["newest_complete_step"] == 6
     assert report["memory"][0]["checksum"] == "ok"
-    load = LastRead()
+    load = LastRead(monkeypatch)
     passes = []  # a spy: the CRC32C passes over a slot before a load (the real function runs)
     check = memory_tier.verify_mapped
     monkeypatch.setattr(memory_tier, "verify_mapped", lambda *a, **k: passes.append(a) or check(*a, **k))
@@ -166,6 +182,7 @@ def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is
                      r"[\d.]+s hashing\), before the step was chosen", caplog.text)
     assert said, caplog.text[-2000:]
     assert load.read.nbytes > 0 and load.read.verified == int(said.group(1)) > 10
+    assert load.alive == [False]  # handed to Lightning once, not kept after the restore (a model's worth of RAM)
     assert min(second.losses) == 7  # at most one step (the 7th) trained twice
     assert {**first.losses, **second.losses} == reference
     assert not tier(tmp_path).exists()  # fit ended normally: the tier's folders are gone

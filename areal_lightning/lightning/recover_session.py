@@ -271,16 +271,18 @@ class RecoverSession:
             self.last_durable = _parse_time(ckpt.get("commit_time"))
             # The non-tensor state is unpickled with weights_only=True unless the user opted out
             # (hyper-parameters holding arbitrary objects; see the README's security note).
+            preloaded = memory is not None and memory.loaded is not None  # read by choose(), every item hashed
             try:
                 with bridged(trainer.strategy, self.io), \
                         self.io.rank_local_paths() if memory is not None else contextlib.nullcontext(), \
                         self.io.engine.checked_before(plan.path, plan.checked_files) if memory is not None \
                         else contextlib.nullcontext(), \
-                        self.io.preloaded(plan.path, plan.loaded) if memory is not None and plan.loaded is not None \
-                        else contextlib.nullcontext():
+                        self.io.preloaded(plan.path, plan.loaded) if preloaded else contextlib.nullcontext():
                     original(str(plan.path), self.weights_only)  # this rank's slot was checked (or read) by choose()
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
+            finally:
+                plan.loaded = None  # Lightning holds it until restored; the plan, kept for the run, must not
             self._to_live_names()
             self.state.pending.swa = started_swa(trainer, loaded_checkpoint(trainer))
             loaded = loaded_checkpoint(trainer).get("global_step")
@@ -290,7 +292,7 @@ class RecoverSession:
                     f"global step {ckpt['global_step']}; {start_fresh(self.store.info_dir)}")
             step = plan.info[STEP_INFO]
             read = self.io.engine.last_read
-            if memory is not None and memory.loaded is not None:
+            if preloaded:
                 checked = (f"this rank read its slot once, {(read.nbytes if read else 0) / 1e6:.1f} MB, every item's "
                            f"CRC32C checked as read ({read.verified if read else 0} items, "
                            f"{read.verify_s if read else 0.0:.3f}s hashing), before the step was chosen "
