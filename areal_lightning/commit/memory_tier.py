@@ -331,6 +331,7 @@ class MemoryTier:
         steps = sorted(set().union(*(set(r["own"]) | {step for held in r["copies"].values() for step in held}
                                      for r in everyone)), reverse=True)
         chosen: Chosen | None = None
+        loaded: Any = None
         for step in steps:
             if shared_step is not None and step < shared_step:
                 break
@@ -366,6 +367,7 @@ class MemoryTier:
                 assert seal is not None
                 loaded, bad = self._load(seal, load, ranks, world_size)
             if bad:
+                loaded = None  # another rank's load failed: not held while the next step loads
                 skipped.append(f"step {step}: {'; '.join(bad[:4])}")
                 continue
             assert seal is not None
