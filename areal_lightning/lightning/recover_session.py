@@ -272,13 +272,15 @@ class RecoverSession:
             # The non-tensor state is unpickled with weights_only=True unless the user opted out
             # (hyper-parameters holding arbitrary objects; see the README's security note).
             preloaded = memory is not None and memory.loaded is not None  # read by choose(), every item hashed
+            # from the memory tier, each rank reads its own view: handed over as choose() read it,
+            # or read without hashing again the slot files choose() checked (sharded strategies)
+            reads: Any = contextlib.nullcontext() if memory is None else \
+                self.io.preloaded(plan.path, plan.loaded) if preloaded else \
+                self.io.engine.checked_before(plan.path, plan.checked_files)
             try:
                 with bridged(trainer.strategy, self.io), \
-                        self.io.rank_local_paths() if memory is not None else contextlib.nullcontext(), \
-                        self.io.engine.checked_before(plan.path, plan.checked_files) if memory is not None \
-                        else contextlib.nullcontext(), \
-                        self.io.preloaded(plan.path, plan.loaded) if preloaded else contextlib.nullcontext():
-                    original(str(plan.path), self.weights_only)  # this rank's slot was checked (or read) by choose()
+                        self.io.rank_local_paths() if memory is not None else contextlib.nullcontext(), reads:
+                    original(str(plan.path), self.weights_only)
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(f"{exc} (or {start_fresh(self.store.info_dir)})") from exc
             finally:
