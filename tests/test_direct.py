@@ -238,16 +238,46 @@ class Pair(NamedTuple):
     y: Any
 
 
-def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_unique_keys() -> None:
-    """Any nesting of dicts (str, int and other keys, ``OrderedDict``), lists, tuples and named
-    tuples, tensors and plain values, including keys that collide once dotted (``"a.b"`` beside
-    ``{"a": {"b"}}``), the skeleton's own key, and one tensor in two places: every tensor under
-    one key of its own, an unnamed slot exactly where the key is its dotted path, and the
-    pickled skeleton filled again gives back the same structure with the same tensor objects."""
-    from hypothesis import given, settings
+class Sub(dict):
+    """A dict subclass in a checkpoint (picklable: at module level)."""
+
+
+@pytest.mark.parametrize("bulk", [False, True], ids=["item-by-item", "dicts-whole"])
+def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_unique_keys(monkeypatch, bulk) -> None:
+    """Any nesting of dicts (str, int and other keys, ``OrderedDict`` with attributes such as a
+    state dict's ``_metadata``, a dict subclass), lists, tuples and named tuples, tensors and
+    plain values, including keys that collide once dotted (``"a.b"`` beside ``{"a": {"b"}}``),
+    the skeleton's own key, and one tensor in two places: every tensor under one key of its
+    own, an unnamed slot exactly where the key is its dotted path, and the pickled skeleton
+    filled again gives back the same structure with the same tensor objects. ``dicts-whole``:
+    every dict is first tried as a whole (what dicts of 16 tensors or more are), and flatten
+    gives exactly what it gives item by item: the same keys in the same order, the same
+    skeleton, its dicts of the same types with the same attributes."""
+    from hypothesis import example, given, settings
     from hypothesis import strategies as st
 
+    from areal_lightning.write import dcp_format
     from areal_lightning.write.dcp_format import SlotUnpickler, unflatten
+
+    def item_by_item(state: dict[str, Any]) -> dict[str, Any]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dcp_format, "_BULK", 1 << 62)
+            return flatten(state)
+
+    def with_attributes(d: dict[Any, Any]) -> OrderedDict:
+        out = OrderedDict(d)
+        out._metadata = {"": {"version": len(d)}}
+        return out
+
+    def attributes(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return (type(obj), getattr(obj, "__dict__", None), [(k, attributes(v)) for k, v in obj.items()])
+        if isinstance(obj, (list, tuple)):
+            return (type(obj), [attributes(v) for v in obj])
+        return obj if isinstance(obj, torch.Tensor) else repr(obj)
+
+    if bulk:
+        monkeypatch.setattr(dcp_format, "_BULK", 1)
 
     pool = [torch.full((1,), float(i)) for i in range(6)]
     keys = st.sampled_from(["a", "b", "a.b", "b#1", "", "0", SKELETON_KEY, 0, 1, 2, (1, 2), 3.5])
@@ -255,7 +285,8 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
     trees = st.recursive(leaves, lambda inner: (
         st.dictionaries(keys, inner, max_size=4) | st.lists(inner, max_size=3)
         | st.lists(inner, max_size=3).map(tuple) | st.tuples(inner, inner).map(lambda t: Pair(*t))
-        | st.dictionaries(keys, inner, max_size=3).map(OrderedDict)), max_leaves=20)
+        | st.dictionaries(keys, inner, max_size=3).map(with_attributes)
+        | st.dictionaries(keys, inner, max_size=3).map(Sub)), max_leaves=20)
 
     def same(a: Any, b: Any) -> bool:
         if isinstance(a, torch.Tensor):
@@ -278,6 +309,8 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
 
     @settings(max_examples=300, deadline=None)
     @given(st.dictionaries(st.sampled_from(["a", "b", "a.b", "0", SKELETON_KEY, "a#1"]), trees, min_size=1, max_size=4))
+    @example({"a.b": pool[0], "a": {"b": pool[1]}})  # a dict whose dotted key meets one taken before
+    @example({"a": pool[0], SKELETON_KEY: pool[1]})  # a dict of tensors holding the skeleton's key
     def check(state: dict[str, Any]) -> None:
         flat = flatten(state)
         skeleton = flat.pop(SKELETON_KEY)
@@ -290,6 +323,10 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
                 assert slot.fqn and not (by_path and slot.fqn == path), (slot, path)
                 named.append(slot.fqn)
         assert sorted(named) == sorted(flat) and SKELETON_KEY not in flat  # each tensor its own key
+        if bulk:
+            reference = item_by_item(state)
+            assert list(flat.items()) == [(k, v) for k, v in reference.items() if k != SKELETON_KEY]
+            assert attributes(skeleton) == attributes(reference[SKELETON_KEY])
         again = SlotUnpickler(io.BytesIO(pickle.dumps(skeleton))).load()
         assert same(unflatten(again, flat), state)
 

@@ -162,7 +162,15 @@ class LastRead(pl.Callback):
 
 def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is_removed_at_the_end(
         tmp_path, reference, caplog, monkeypatch) -> None:
+    from areal_lightning.write.direct import Signatures
+
+    answered = []  # per write: whether its layout signature came from the check of the last one's
+    signature = Signatures.__call__
+    monkeypatch.setattr(Signatures, "__call__",
+                        lambda self, *a, **k: (checks := self.checks, signature(self, *a, **k),
+                                               answered.append(self.checks > checks))[1])
     first = run(tmp_path, crash=7)  # shared tier: step 4; memory tier: steps 5 and 6
+    assert answered == [False] + [True] * 5  # Lightning's state dicts: new tensors alike at every save
     assert seals(tmp_path) == {0: 5, 1: 6} or seals(tmp_path) == {0: 6, 1: 5}
     [report] = inspect_path(tmp_path, verify=True, memory_root=str(tmp_path / "shm"))
     assert report["memory"][0]["ranks"] == {"rank0": [5, 6]} and report["memory"][0]["newest_complete_step"] == 6
@@ -632,6 +640,84 @@ def test_a_slot_holds_every_kind_of_tensor_bit_for_bit_and_changes_between_saves
             units = [unit for share in shares for unit in share]
             assert any(len(unit.typed) > 1 for unit in units)  # a group copied in one call
             assert any(unit.loose and unit.typed for unit in units)  # an item of a group its dtype cannot view
+    finally:
+        engine.close()
+        tier.close()
+
+
+def _with(change: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` with the tensor ``w5`` changed in one property, its key kept."""
+    out = dict(values)
+    w = out["w5"]
+    out["w5"] = {"same": lambda: w.clone(), "shape": lambda: w.reshape(5, 3), "dtype": lambda: w.view(torch.int32),
+                 "requires_grad": lambda: w.clone().requires_grad_(), "strides": lambda: w.t().contiguous().t(),
+                 "negated view": lambda: torch._neg_view(w), "conjugated view": lambda: w.to(torch.complex64).conj(),
+                 "parameter": lambda: torch.nn.Parameter(w.clone()),
+                 "added": lambda: w.clone()}[change]()
+    if change == "added":
+        out["w41"] = torch.ones(2)
+    return out
+
+
+@pytest.mark.parametrize("change", ["same", "shape", "dtype", "requires_grad", "strides", "negated view",
+                                    "conjugated view", "parameter", "added"])
+def test_a_save_whose_tensors_change_a_property_under_the_same_keys_is_written_as_they_are_now(
+        tmp_path, change) -> None:
+    """Each save's layout signature is taken from the last save's while its keys are the same
+    and one check in C++ finds each tensor alike (:class:`~areal_lightning.write.direct.Signatures`);
+    a tensor that changed any property the layout records or that decides how it is written
+    (shape, dtype, ``requires_grad``, strides, a lazy negation or conjugation, its type)
+    gets the layout its save needs: every slot reads back as what was saved, with the
+    shapes, dtypes and ``requires_grad`` of ``.metadata`` those of the tensors, and a save with
+    nothing changed took its signature from the check (the copy took each address without a
+    look at each tensor)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from areal_lightning.commit.memory_tier import MemoryTier, verify_slot
+    from areal_lightning.config import MemoryConfig
+    from areal_lightning.write import slot
+    from areal_lightning.write.dcp import DCPEngine
+
+    gen = torch.Generator().manual_seed(5)
+    base = {f"w{i}": torch.randn(3, 5, generator=gen) for i in range(40)}
+    states = [base, _with(change, base), base, _with(change, base)]
+    plain_copies: list[bool] = []
+    copy = slot._Pass.copy
+
+    def spy(self: Any, flat: Any, values: Any = None) -> None:
+        if flat is not None:
+            plain_copies.append(values is not None)
+        copy(self, flat, values)
+
+    tier = MemoryTier(MemoryConfig(enabled=True, root=str(tmp_path / "shm"), slots=3).validate(),
+                      tmp_path / "tier", 0)
+    engine = DCPEngine()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(slot._Pass, "copy", spy)
+            for step, values in enumerate(states, 1):
+                checks = tier._signatures.checks
+                plain_copies.clear()
+                tier.write({"state_dict": values, "step": step}, global_step=step, world_size=1, lineage=None, info={})
+                tier.wait()
+                [seal] = [s for s in tier.held() if s.global_step == step]
+                assert verify_slot(seal)[0] is None
+                recorded = FileSystemReader(str(seal.path)).read_metadata().state_dict_metadata
+                template = {"state_dict": {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in values.items()}}
+                loaded = engine.load(seal.path, template=template)
+                for key, value in values.items():
+                    meta = recorded[f"state_dict.{key}"]
+                    assert (tuple(meta.size), meta.properties.dtype) == (tuple(value.shape), value.dtype), (step, key)
+                    assert meta.properties.requires_grad == value.requires_grad, (step, key)
+                    got = loaded["state_dict"][key]
+                    assert got.dtype == value.dtype and torch.equal(got.resolve_conj().resolve_neg(),
+                                                                    value.detach().resolve_conj().resolve_neg()), key
+                changed = step % 2 == 0 and change != "same"
+                taken_from_check = tier._signatures.checks > checks
+                # the first save computes it; after that, a save alike the last one takes it from the check
+                assert taken_from_check == (step > 1 and not changed and not (step == 3 and change != "same")), step
+                if step > 1 and change == "same":
+                    assert plain_copies and all(plain_copies), step
     finally:
         engine.close()
         tier.close()

@@ -328,3 +328,29 @@ def test_copy_tensors() -> None:
     ti.copy_tensors(destinations, sources)
     for destination, source in zip(destinations, sources):
         assert torch.equal(destination, source.detach()) and not destination.requires_grad
+
+
+def test_tensor_check() -> None:
+    """Alike tensors (new objects, other values and storage offsets) pass; each property the
+    check is relied on for fails it: type, dtype, device, requires_grad, sizes, strides, the
+    negative and conjugate bits, sparse layout, an inference tensor. It holds no reference to
+    the tensors it was made from."""
+    import gc
+    import weakref
+
+    made = [torch.randn(3, 4), torch.randn(6, dtype=torch.complex64), torch.tensor(2.0), torch.empty(0)]
+    check = ti.tensor_check(made)
+    assert check is not None
+    gone = weakref.ref(made[0])
+    del made
+    gc.collect()
+    assert gone() is None
+    alike = [torch.randn(20)[4:16].view(3, 4), torch.zeros(6, dtype=torch.complex64), torch.tensor(5.0), torch.empty(0)]
+    assert check(*alike)
+    with torch.inference_mode():
+        inference = torch.randn(3, 4)
+    for change in (lambda t: torch.nn.Parameter(t), lambda t: t.double(), lambda t: t.to("meta"),
+                   lambda t: t.clone().requires_grad_(), lambda t: t.reshape(4, 3), lambda t: t.t().contiguous().t(),
+                   lambda t: torch._neg_view(t), lambda t: t.to_sparse(), lambda t: inference):
+        assert not check(change(alike[0]), *alike[1:])
+    assert not check(alike[0], alike[1].conj(), *alike[2:])

@@ -60,7 +60,7 @@ from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
 from areal_lightning.telemetry import folder_bytes
 from areal_lightning.write.checksum import Written, file_crc32c
 from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
-from areal_lightning.write.direct import ByteLayout, signature, skeleton_bytes
+from areal_lightning.write.direct import ByteLayout, Signatures, skeleton_bytes
 from areal_lightning.commit.peer import PeerCopy, receive_slot, send_slot
 from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
@@ -240,6 +240,7 @@ class MemoryTier:
         self._replicating: dict[int, tuple[int, Future]] = {}  # slot -> (serial, its copy to the peer)
         self._replicated: int | None = None  # the slot of the newest step every rank's peer holds: kept
         self._files: dict[int, SlotFile] = {}
+        self._signatures = Signatures()  # each write's layout signature, checked in one call while it holds
         self._sealed: dict[int, int] = {}  # slot -> its sealed serial (this process's view)
         self._serial = 0
         self._newest: int | None = None  # the slot of the newest sealed state (never the next one written)
@@ -479,7 +480,7 @@ class MemoryTier:
         self._sealed.pop(slot, None)
         flat = flatten(checkpoint)
         skeleton: Any = flat.pop(SKELETON_KEY)  # a copy of the state's non-tensor parts: pickled in the background
-        key = signature(flat, pinned=False)
+        key = self._signatures(flat, pinned=False)
         written = Written()
         pending: PendingCopy | None = None
         if key is None:  # sharded tensors: DCP plans and writes the slot (rank-local, in this thread)
@@ -496,7 +497,8 @@ class MemoryTier:
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
             # host tensors: copied and checksummed; CUDA tensors: queued on the copy stream
-            pending = file.copy(flat, self._hasher(), COPY_THREADS, stream=self._cuda_stream(), late=late)
+            pending = file.copy(flat, self._hasher(), COPY_THREADS, stream=self._cuda_stream(), late=late,
+                                plain=self._signatures.plain)
             finish = file
         self._serial += 1
         seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,

@@ -11,10 +11,12 @@ flattening loses. :func:`flatten` makes the flat dict, :func:`unflatten` rebuild
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 import pickle
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -67,6 +69,11 @@ class SlotUnpickler(pickle.Unpickler):
 
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes)
 
+_BULK = 16
+"""Dicts of this many entries or more are first tried as a whole (see :func:`flatten`)."""
+
+_STR = {str}
+
 
 def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
     """Flat DCP dict: ``{dotted path: tensor}`` plus the skeleton under ``SKELETON_KEY``.
@@ -83,6 +90,27 @@ def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
         tensors[fqn] = obj
         return UNNAMED if by_path and fqn == base else TensorSlot(fqn)
 
+    def bulk(obj: dict[Any, Any], prefix: str) -> dict[Any, Any] | None:
+        # A dict of tensors only, under str keys (a model's state dict): taken by calls that
+        # loop in C; None (nothing done) for any other dict, or where a key would meet one
+        # taken before (then walk names it).
+        if not all(map(isinstance, obj.values(), repeat(tensor_type))) or set(map(type, obj)) != _STR:
+            return None
+        children = list(map(prefix.__add__, obj))
+        if not tensors.keys().isdisjoint(children) or SKELETON_KEY.startswith(prefix) and SKELETON_KEY in children:
+            return None
+        tensors.update(zip(children, obj.values()))
+        cls = type(obj)
+        if cls is dict:
+            return dict.fromkeys(obj, UNNAMED)
+        if cls is OrderedDict:  # copy.copy of one sets item by item in Python
+            out = OrderedDict.fromkeys(obj, UNNAMED)
+            out.__dict__.update(obj.__dict__)  # a state dict's _metadata
+            return out
+        out = copy.copy(obj)
+        out.update(dict.fromkeys(obj, UNNAMED))
+        return out
+
     def walk(obj: Any, base: str | None, by_path: bool) -> Any:
         # base: obj's dotted path (None: the root); by_path: every dict key on the way is a str
         # or an int, whose str() unflatten recomputes as is. A tensor in a dict is taken there
@@ -93,6 +121,10 @@ def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
             return obj
         prefix = "" if base is None else base + "."
         if isinstance(obj, dict):
+            if by_path and len(obj) >= _BULK:
+                out = bulk(obj, prefix)
+                if out is not None:
+                    return out
             out = copy.copy(obj)
             for key, value in obj.items():
                 child, keyed = prefix + str(key), by_path and type(key) in (str, int)

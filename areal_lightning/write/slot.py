@@ -41,6 +41,7 @@ import os
 from array import array
 from collections.abc import Mapping
 from concurrent.futures import Executor
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -158,11 +159,12 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 class _Pass:
     """Items for one call of the one-pass copy (:data:`FUSED`): their keys, slot views and
-    records, and their slot addresses, sizes and the CRC32Cs out, as the arrays it takes."""
+    records, and their slot addresses, sizes and the CRC32Cs out, as the arrays it takes;
+    ``pick``: the pass's tensors from all of a save's, in the layout's order."""
 
-    __slots__ = ("keys", "views", "infos", "dsts", "sizes", "none", "out")
+    __slots__ = ("keys", "views", "infos", "dsts", "sizes", "none", "out", "pick")
 
-    def __init__(self, entries: list[Any]) -> None:
+    def __init__(self, entries: list[Any], position: Mapping[str, int]) -> None:
         self.keys = [entry[0].key for entry in entries]
         self.views = [entry[1] for entry in entries]
         self.infos = [entry[0].info for entry in entries]
@@ -170,14 +172,21 @@ class _Pass:
         self.sizes = array("Q", [entry[0].nbytes for entry in entries])
         self.none = array("Q", bytes(8 * len(entries)))  # no sources: checksums of the slot bytes
         self.out = array("I", bytes(4 * len(entries)))
+        index = [position[key] for key in self.keys]
+        self.pick: Callable[[list[Any]], Any] = (itemgetter(*index) if len(index) > 1
+                                                 else (lambda values, i=tuple(index): [values[j] for j in i]))
 
-    def copy(self, flat: Mapping[str, Any] | None) -> None:
+    def copy(self, flat: Mapping[str, Any] | None, values: list[torch.Tensor] | None = None) -> None:
         """Copy each item from ``flat`` into the slot and compute its CRC32C, in one call that
         releases the GIL (:meth:`record` puts the CRC32Cs on the records, after the save point);
-        ``flat=None``: only the CRC32Cs of what the slot holds. A source the call cannot read
-        (not a contiguous host tensor) is copied by ``copy_`` first, then checksummed in the slot."""
+        ``flat=None``: only the CRC32Cs of what the slot holds. ``values``: ``flat``'s tensors in
+        the layout's order, all contiguous host tensors (known by the caller: their addresses
+        are read without a look at each one); else a source the call cannot read (not a
+        contiguous host tensor) is copied by ``copy_`` first, then checksummed in the slot."""
         if flat is None:
             sources = self.none
+        elif values is not None:
+            sources = array("Q", list(map(_DATA_PTR, self.pick(values))))
         else:
             tensors = [flat[key] for key in self.keys]
             sources = array("Q", [t.data_ptr() if t.is_cpu and t.is_contiguous() else 0 for t in tensors])
@@ -193,19 +202,23 @@ class _Pass:
             setattr(info, ITEM_CHECKSUM, value)
 
 
-def _passes(share: list[_Unit]) -> list[_Pass]:
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _passes(share: list[_Unit], position: Mapping[str, int]) -> list[_Pass]:
     """A share of units as the two halves the one-pass copy takes (the fault point between)."""
     entries = [entry for unit in share for entry in unit.entries]
-    return [_Pass(entries[:len(entries) // 2]), _Pass(entries[len(entries) // 2:])]
+    return [_Pass(entries[:len(entries) // 2], position), _Pass(entries[len(entries) // 2:], position)]
 
 
-def _fused_copy(passes: list[_Pass], flat: Mapping[str, Any], fault: bool) -> None:
+def _fused_copy(passes: list[_Pass], flat: Mapping[str, Any], fault: bool,
+                values: list[torch.Tensor] | None = None) -> None:
     """:func:`_copy_share` by the one-pass copy (:data:`FUSED`); ``fault``: ``memory.mid_copy``
-    between its halves."""
-    passes[0].copy(flat)
+    between its halves; ``values``: see :meth:`_Pass.copy`."""
+    passes[0].copy(flat, values)
     if fault:
         fault_point("memory.mid_copy")
-    passes[1].copy(flat)
+    passes[1].copy(flat, values)
 
 
 def _fused_checksum(passes: list[_Pass]) -> None:
@@ -215,12 +228,13 @@ def _fused_checksum(passes: list[_Pass]) -> None:
         part.record()
 
 
-def _copy_share(share: list[_Unit], flat: Mapping[str, Any], fault: bool) -> None:
+def _copy_share(share: list[_Unit], flat: Mapping[str, Any], fault: bool, values: Any = None) -> None:
     """Copy each unit of ``share`` into the slot and put each item's CRC32C on its record: a
     group by one call, then each item checksummed (on the slot's bytes, ``mapped``: a view made
     with the layout) while in cache; a contiguous host tensor by ``memmove`` one chunk at a
     time, each chunk checksummed right after its copy; others by ``copy_``, then checksummed.
-    ``fault``: this share hits ``memory.mid_copy`` halfway."""
+    ``fault``: this share hits ``memory.mid_copy`` halfway; ``values``: unused (the one-pass
+    copy's)."""
     half = len(share) // 2
     for i, unit in enumerate(share):
         if fault and i == half:
@@ -336,6 +350,7 @@ class SlotFile:
         self._items = [(item, view, base + item.offset, tensor_bytes(view)) for item, view in self.views if item.nbytes]
         self._empty_items = [(item, view) for item, view in self.views if item.nbytes == 0]
         self._specs = {fqn: (shape, dtype) for fqn, shape, dtype, *_ in layout.key}
+        self._position = {fqn: i for i, (fqn, *_) in enumerate(layout.key)}  # in a save's flat dict
         self._split_made: tuple[Any, ...] | None = None  # (device keys and k, host shares, device shares)
         self._pinned: bool | None = None  # CUDA: whether the mapping is page-locked (None: not tried)
 
@@ -345,7 +360,8 @@ class SlotFile:
         return self.layout.key
 
     def copy(self, flat: Mapping[str, Any], pool: Executor | None = None, threads: int = 1, *,
-             stream: Any = None, late: Callable[[torch.Tensor], bool] | None = None) -> PendingCopy:
+             stream: Any = None, late: Callable[[torch.Tensor], bool] | None = None,
+             plain: bool = False) -> PendingCopy:
         """Copy every tensor of ``flat`` (the layout's keys) into its bytes in the mapping; the
         host tensors are split into up to ``threads`` shares of about equal cost (see
         :func:`_shares`), run on ``pool`` (the calling thread takes one); each copies a chunk of about 1 MB (a ``memmove`` for a
@@ -357,13 +373,19 @@ class SlotFile:
         current stream queued so far; those ``late`` says may wait (parameters, optimizer
         states) after the others, and the current stream waits for the others only. Returns
         the :class:`PendingCopy` to wait for (its checksums computed) before the ``late``
-        tensors change and before the slot is sealed."""
+        tensors change and before the slot is sealed.
+
+        ``plain``: the caller knows every tensor of ``flat`` is a contiguous host tensor and
+        ``flat`` is in the layout's order (its :class:`~areal_lightning.write.direct.Signatures`
+        checked them): their addresses are taken without a look at each one."""
         k = threads if pool is not None else 1
-        device = [entry for entry in self._items if flat[entry[0].key].is_cuda] if stream is not None else []
+        device = ([entry for entry in self._items if flat[entry[0].key].is_cuda]
+                  if stream is not None and not plain else [])
         host_shares, device_shares = self._split(device, k)
         done = self._copy_device(flat, device, stream, late or (lambda tensor: False)) if device else None
+        values = list(flat.values()) if plain and FUSED else None
         try:
-            _run_shares(_fused_copy if FUSED else _copy_share, host_shares, pool, flat, not device)  # fault: host-only
+            _run_shares(_fused_copy if FUSED else _copy_share, host_shares, pool, flat, not device, values)  # fault: host-only
         except BaseException:
             if done is not None:
                 done.synchronize()  # the device copies end before the failure leaves the slot
@@ -424,7 +446,7 @@ class SlotFile:
             host = [entry for entry in self._items if entry[0].key not in key[0]]
             split = _shares(_units(host, None if FUSED else self._specs), k), _shares(_units(device), k)
             if FUSED:
-                split = tuple([_passes(share) for share in shares] for shares in split)
+                split = tuple([_passes(share, self._position) for share in shares] for shares in split)
             self._split_made = (key, *split)
         return self._split_made[1], self._split_made[2]
 
