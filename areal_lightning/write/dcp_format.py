@@ -11,9 +11,9 @@ flattening loses. :func:`flatten` makes the flat dict, :func:`unflatten` rebuild
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 import pickle
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import repeat
@@ -91,24 +91,22 @@ def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
         return UNNAMED if by_path and fqn == base else TensorSlot(fqn)
 
     def bulk(obj: dict[Any, Any], prefix: str) -> dict[Any, Any] | None:
-        # A dict of tensors only, under str keys (a model's state dict): taken by calls that
-        # loop in C; None (nothing done) for any other dict, or where a key would meet one
-        # taken before (then walk names it).
-        if not all(map(isinstance, obj.values(), repeat(tensor_type))) or set(map(type, obj)) != _STR:
+        # A dict or OrderedDict of tensors only, under str keys (a model's state dict): taken by
+        # calls that loop in C; None (nothing done) for any other dict, or where a key would
+        # meet one taken before (then walk names it). Its skeleton is made by fromkeys (copy.copy
+        # of an OrderedDict sets item by item in Python), with the attributes copy.copy copies
+        # (a state dict's _metadata).
+        cls = type(obj)
+        if cls is not dict and cls is not OrderedDict or set(map(type, obj)) != _STR \
+                or not all(map(isinstance, obj.values(), repeat(tensor_type))):
             return None
         children = list(map(prefix.__add__, obj))
         if not tensors.keys().isdisjoint(children) or SKELETON_KEY.startswith(prefix) and SKELETON_KEY in children:
             return None
         tensors.update(zip(children, obj.values()))
-        cls = type(obj)
-        if cls is dict:
-            return dict.fromkeys(obj, UNNAMED)
-        if cls is OrderedDict:  # copy.copy of one sets item by item in Python
-            out = OrderedDict.fromkeys(obj, UNNAMED)
-            out.__dict__.update(obj.__dict__)  # a state dict's _metadata
-            return out
-        out = copy.copy(obj)
-        out.update(dict.fromkeys(obj, UNNAMED))
+        out = cls.fromkeys(obj, UNNAMED)
+        if cls is OrderedDict:
+            out.__dict__.update(obj.__dict__)
         return out
 
     def walk(obj: Any, base: str | None, by_path: bool) -> Any:
