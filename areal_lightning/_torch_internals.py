@@ -63,7 +63,7 @@ Why each is needed (public torch has no equivalent):
   turns at the GIL (measured in ``benchmarks/many_tensors.py``).
 * a save that needs no plan reuses its layout while its tensors keep their keys, shapes, dtypes
   and kinds; reading those properties of each tensor from Python costs about 0.6 us per
-  tensor at every save (2,000 tensors: 1.25 ms of a 3.5 ms slot write). ``torch.compile``'s
+  tensor at every save (2,000 tensors: 1.25 ms of a 6.3 ms slot write). ``torch.compile``'s
   guards check the same properties of many tensors in one call into C++
   (``torch._C._dynamo.guards.TensorGuards``: each tensor's type, dispatch keys, dtype, device,
   ``requires_grad``, sizes and strides; about 50 ns per tensor): :func:`tensor_check`.

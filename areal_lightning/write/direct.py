@@ -109,7 +109,7 @@ class Signatures:
 
     A save's layout is reused while its tensors keep their keys, shapes, dtypes and kinds, so
     every save needs its signature; read in Python, property by property, that costs about
-    0.6 us per tensor (2,000 tensors: 1.25 ms of a 3.5 ms slot write). A call whose keys are
+    0.6 us per tensor (2,000 tensors: 1.25 ms of a 6.3 ms slot write). A call whose keys are
     the last call's, in order, and whose tensors pass one check in C++ of each one's type,
     dispatch keys, dtype, device, ``requires_grad``, sizes and strides against the tensors
     that gave the remembered signature (:func:`~areal_lightning._torch_internals.tensor_check`,
