@@ -94,7 +94,8 @@ PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_ca
                  "_init_from_local_shards_and_global_metadata", "_process_group", "_utils", "_orig_mod",
                  "_index_sampler", "_get_iterator", "_dcp_logger", "_save_state_dict", "_load_state_dict",
                  "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_weight_conversions",
-                 "_hf_peft_config_loaded", "_filters_mutated", "_config", "_foreach_copy_", "_dynamo")
+                 "_hf_peft_config_loaded", "_filters_mutated", "_config", "_foreach_copy_", "_dynamo",
+                 "_dispatch_tls_local_exclude_set")
 """The private names of torch, transformers, peft, the Azure SDK and the standard library used here (and nowhere
 else in the package)."""
 
@@ -311,13 +312,24 @@ def tensor_check(tensors: Sequence[Any]) -> Callable[..., bool] | None:
     """A check whether other tensors, as many, passed as positional arguments, each have the
     same Python type, dispatch keys (the conjugate and negative bits, sparse and quantized
     kinds, inference tensors), dtype, device, ``requires_grad``, sizes and strides as the
-    corresponding one of ``tensors`` (in the thread-local dispatch state of the call; a
-    different one fails the check): torch.compile's ``TensorGuards.check``, one call into C++
-    that holds no reference to ``tensors``. ``None`` where this torch has none (the caller
-    then reads the properties itself)."""
+    corresponding one of ``tensors``: torch.compile's ``TensorGuards.check``, one call into C++
+    that holds no reference to ``tensors``. It compares the keys as the calling thread's
+    dispatch state shows them (a different state fails it); a state that excludes the
+    negative or conjugate key (``torch._C._dispatch_tls_local_exclude_set``) would hide those
+    bits, so there the check fails. ``None`` where this torch has none (the caller then reads
+    the properties itself)."""
     try:
+        import torch
         from torch._C._dynamo.guards import TensorGuards
 
-        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+        guards = TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        hidden = torch._C.DispatchKeySet(torch._C.DispatchKey.Negative).add(torch._C.DispatchKey.Conjugate)
+        excluded = torch._C._dispatch_tls_local_exclude_set
     except (ImportError, AttributeError, TypeError, RuntimeError):
         return None
+    empty = (hidden - hidden).raw_repr()
+
+    def check(*others: Any) -> bool:
+        return (excluded() & hidden).raw_repr() == empty and guards.check(*others)
+
+    return check

@@ -333,8 +333,8 @@ def test_copy_tensors() -> None:
 def test_tensor_check() -> None:
     """Alike tensors (new objects, other values and storage offsets) pass; each property the
     check is relied on for fails it: type, dtype, device, requires_grad, sizes, strides, the
-    negative and conjugate bits, sparse layout, an inference tensor. It holds no reference to
-    the tensors it was made from."""
+    negative and conjugate bits (also where the thread's dispatch state excludes those keys),
+    sparse layout, an inference tensor. It holds no reference to the tensors it was made from."""
     import gc
     import weakref
 
@@ -354,3 +354,10 @@ def test_tensor_check() -> None:
                    lambda t: torch._neg_view(t), lambda t: t.to_sparse(), lambda t: inference):
         assert not check(change(alike[0]), *alike[1:])
     assert not check(alike[0], alike[1].conj(), *alike[2:])
+    # a thread-local dispatch state that hides a tensor's negative or conjugate bit from the
+    # guard's key comparison: the check fails (never a pass for a lazily negated view)
+    for key, view in ((torch._C.DispatchKey.Negative, lambda: (torch._neg_view(alike[0]), *alike[1:])),
+                      (torch._C.DispatchKey.Conjugate, lambda: (alike[0], alike[1].conj(), *alike[2:]))):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            assert not check(*view())
+    assert check(*alike)

@@ -130,6 +130,8 @@ class Signatures:
 
     def __call__(self, flat: Mapping[str, Any], pinned: bool) -> tuple[Any, ...] | None:
         """:func:`signature` of ``flat`` (tensors only: no skeleton) with ``pinned`` given."""
+        if SKELETON_KEY in flat:
+            raise ValueError(f"Signatures takes a flat dict of tensors only: pop its {SKELETON_KEY!r} first")
         names = list(flat)
         if self._check is not None and pinned is self._pinned and names == self._names \
                 and self._check(*flat.values()):

@@ -49,6 +49,7 @@ import torch
 
 from areal_lightning._fault import fault_point
 from areal_lightning._torch_internals import DATA_SUFFIX, copy_tensors
+from areal_lightning.errors import CheckpointWriteError
 from areal_lightning.stage.host import register_host, unregister_host
 from areal_lightning.write.checksum import ITEM_CHECKSUM, Written, crc32c
 from areal_lightning.write.direct import ByteLayout, write_metadata
@@ -187,12 +188,16 @@ class _Pass:
             sources = self.none
         elif values is not None:
             sources = array("Q", list(map(_DATA_PTR, self.pick(values))))
+            if 0 in sources:  # (to the call: no source, the slot's own bytes checksummed)
+                raise _no_storage(self.keys[sources.index(0)])
         else:
             tensors = [flat[key] for key in self.keys]
             sources = array("Q", [t.data_ptr() if t.is_cpu and t.is_contiguous() else 0 for t in tensors])
             if 0 in sources:
                 for i, source in enumerate(sources):
                     if not source:
+                        if tensors[i].is_cpu and tensors[i].is_contiguous():
+                            raise _no_storage(self.keys[i])
                         self.views[i].copy_(_as_bytes(tensors[i]))
         _crc32c_copy.copy(self.dsts, sources, self.sizes, self.out)
 
@@ -203,6 +208,14 @@ class _Pass:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+def _no_storage(key: str) -> CheckpointWriteError:
+    """The error for the tensor ``key`` of a save whose data was freed: its address is 0 (a
+    copy from it would crash the process, or, to the one-pass copy, mean "no source")."""
+    return CheckpointWriteError(
+        f"memory tier: the tensor '{key}' has no storage to copy (data_ptr() is 0: its data was freed, e.g. by "
+        "untyped_storage().resize_(0)); save a state whose tensors hold their values")
 
 
 def _passes(share: list[_Unit], position: Mapping[str, int]) -> list[_Pass]:
@@ -240,7 +253,10 @@ def _copy_share(share: list[_Unit], flat: Mapping[str, Any], fault: bool, values
         if fault and i == half:
             fault_point("memory.mid_copy")
         if unit.typed:
-            copy_tensors(unit.typed, [flat[key] for key in unit.keys])
+            sources = [flat[key] for key in unit.keys]
+            if not all(map(_DATA_PTR, sources)):
+                raise _no_storage(unit.keys[list(map(_DATA_PTR, sources)).index(0)])
+            copy_tensors(unit.typed, sources)
             for item, _view, _address, mapped in unit.grouped:
                 setattr(item.info, ITEM_CHECKSUM, crc32c(mapped))
         for item, view, address, mapped in unit.loose:
@@ -250,6 +266,8 @@ def _copy_share(share: list[_Unit], flat: Mapping[str, Any], fault: bool, values
 def _copy_item(item: Any, view: torch.Tensor, address: int, mapped: memoryview, tensor: torch.Tensor) -> None:
     """One item of :func:`_copy_share` copied on its own."""
     nbytes = item.nbytes
+    if not tensor.data_ptr():
+        raise _no_storage(item.key)
     if tensor.is_cpu and tensor.is_contiguous():
         source = tensor.data_ptr()
         if nbytes <= _CHUNK:
