@@ -398,7 +398,9 @@ def test_signatures_refuse_a_flat_dict_that_still_holds_its_skeleton() -> None:
     """:class:`~areal_lightning.write.direct.Signatures` reads every value as a tensor: a flat dict
     with its skeleton is refused by name, not misread."""
     flat = flatten({"w": torch.ones(2)})
-    with pytest.raises(ValueError, match=SKELETON_KEY):
+    from areal_lightning.errors import UsageError
+
+    with pytest.raises(UsageError, match=SKELETON_KEY):
         direct.Signatures()(flat, pinned=False)
     flat.pop(SKELETON_KEY)
     assert direct.Signatures()(flat, pinned=False) == direct.signature(flat, pinned=False)

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from areal_lightning._fault import fault_enabled, fault_point
 from areal_lightning._torch_internals import DATA_SUFFIX, storage_info, tensor_check
+from areal_lightning.errors import UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to
 from areal_lightning.write.checksum import (ITEM_CHECKSUM, HashingStream, Written, crc32c, data_files, manifest_of,
@@ -131,7 +132,7 @@ class Signatures:
     def __call__(self, flat: Mapping[str, Any], pinned: bool) -> tuple[Any, ...] | None:
         """:func:`signature` of ``flat`` (tensors only: no skeleton) with ``pinned`` given."""
         if SKELETON_KEY in flat:
-            raise ValueError(f"Signatures takes a flat dict of tensors only: pop its {SKELETON_KEY!r} first")
+            raise UsageError(f"Signatures takes a flat dict of tensors only: pop its {SKELETON_KEY!r} first")
         names = list(flat)
         if self._check is not None and pinned is self._pinned and names == self._names \
                 and self._check(*flat.values()):
