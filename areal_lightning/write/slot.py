@@ -188,8 +188,7 @@ class _Pass:
             sources = self.none
         elif values is not None:
             sources = array("Q", list(map(_DATA_PTR, self.pick(values))))
-            if 0 in sources:  # (to the call: no source, the slot's own bytes checksummed)
-                raise _no_storage(self.keys[sources.index(0)])
+            _refuse_freed(self.keys, sources)  # (to the call, 0 is no source: the slot's own bytes checksummed)
         else:
             tensors = [flat[key] for key in self.keys]
             sources = array("Q", [t.data_ptr() if t.is_cpu and t.is_contiguous() else 0 for t in tensors])
@@ -216,6 +215,13 @@ def _no_storage(key: str) -> CheckpointWriteError:
     return CheckpointWriteError(
         f"memory tier: the tensor '{key}' has no storage to copy (data_ptr() is 0: its data was freed, e.g. by "
         "untyped_storage().resize_(0)); save a state whose tensors hold their values")
+
+
+def _refuse_freed(keys: list[str], addresses: Any) -> None:
+    """Raise :func:`_no_storage` for the first of ``keys`` whose address (``data_ptr()``, in the
+    same order) is 0."""
+    if 0 in addresses:
+        raise _no_storage(keys[addresses.index(0)])
 
 
 def _passes(share: list[_Unit], position: Mapping[str, int]) -> list[_Pass]:
@@ -254,8 +260,7 @@ def _copy_share(share: list[_Unit], flat: Mapping[str, Any], fault: bool, values
             fault_point("memory.mid_copy")
         if unit.typed:
             sources = [flat[key] for key in unit.keys]
-            if not all(map(_DATA_PTR, sources)):
-                raise _no_storage(unit.keys[list(map(_DATA_PTR, sources)).index(0)])
+            _refuse_freed(unit.keys, list(map(_DATA_PTR, sources)))
             copy_tensors(unit.typed, sources)
             for item, _view, _address, mapped in unit.grouped:
                 setattr(item.info, ITEM_CHECKSUM, crc32c(mapped))
