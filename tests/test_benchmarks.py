@@ -73,7 +73,8 @@ def test_many_tensors_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert [r["count"] for r in doc["results"]] == [4, 64]
-    assert set(doc["ratios"]) == {"dcp_sync", "dcp_load", "torch_save", "torch_load", "memory_copy", "memory_slot"}
+    assert set(doc["ratios"]) == {"dcp_sync", "dcp_load", "torch_save", "torch_load", "memory_copy", "memory_slot",
+                                 "memory_fresh"}
     assert all(r[m] > 0 for r in doc["results"] for m in doc["ratios"])
     assert "64/4" in proc.stdout
 

@@ -250,7 +250,7 @@ class Sub(dict):
     """A dict subclass in a checkpoint (picklable: at module level)."""
 
 
-@pytest.mark.parametrize("bulk", [False, True], ids=["item-by-item", "dicts-whole"])
+@pytest.mark.parametrize("bulk", [False, True, "remembered"], ids=["item-by-item", "dicts-whole", "dicts-whole-memo"])
 def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_unique_keys(monkeypatch, bulk) -> None:
     """Any nesting of dicts (str, int and other keys, ``OrderedDict`` with attributes such as a
     state dict's ``_metadata``, a dict subclass), lists, tuples and named tuples, tensors and
@@ -260,7 +260,9 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
     filled again gives back the same structure with the same tensor objects. ``dicts-whole``:
     every dict is first tried as a whole (what dicts of 16 tensors or more are), and flatten
     gives exactly what it gives item by item: the same keys in the same order, the same
-    skeleton, its dicts of the same types with the same attributes."""
+    skeleton, its dicts of the same types with the same attributes. ``dicts-whole-memo``: the
+    same, through one memo kept over all examples (each call finds the paths the last states left
+    there), and a second call with the memo this state left gives the same again."""
     from hypothesis import example, given, settings
     from hypothesis import strategies as st
 
@@ -286,6 +288,7 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
 
     if bulk:
         monkeypatch.setattr(dcp_format, "_BULK", 1)
+    memo: dict[str, Any] | None = {} if bulk == "remembered" else None
 
     pool = [torch.full((1,), float(i)) for i in range(6)]
     keys = st.sampled_from(["a", "b", "a.b", "b#1", "", "0", SKELETON_KEY, 0, 1, 2, (1, 2), 3.5])
@@ -320,7 +323,11 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
     @example({"a.b": pool[0], "a": {"b": pool[1]}})  # a dict whose dotted key meets one taken before
     @example({"a": pool[0], SKELETON_KEY: pool[1]})  # a dict of tensors holding the skeleton's key
     def check(state: dict[str, Any]) -> None:
-        flat = flatten(state)
+        flat = flatten(state, memo)
+        if memo is not None:
+            again = flatten(state, memo)
+            assert list(again.items())[:-1] == list(flat.items())[:-1]
+            assert attributes(again[SKELETON_KEY]) == attributes(flat[SKELETON_KEY])
         skeleton = flat.pop(SKELETON_KEY)
         named = []
         for slot, path, by_path in where(skeleton, (), True):
@@ -339,6 +346,25 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
         assert same(unflatten(again, flat), state)
 
     check()
+
+
+def test_flatten_with_a_memo_reuses_the_paths_of_a_dict_whose_keys_stay_and_only_those() -> None:
+    """A state dict whose keys are the last one's, in order (new ``str`` objects, as
+    ``state_dict()`` makes them), gets the same path objects back; reordered, renamed, one more
+    or one less key, a key of another type: its paths are made again, exactly as without the memo."""
+    tensors = [torch.full((1,), float(i)) for i in range(21)]
+    sd = {f"l{i}.w": tensors[i] for i in range(20)}
+    memo: dict[str, Any] = {}
+    first = flatten({"m": sd, "n": 1}, memo)
+    second = flatten({"m": {k[:1] + k[1:]: v for k, v in sd.items()}, "n": 1}, memo)
+    assert list(second) == list(first) and all(a is b for a, b in zip(first, second) if a != SKELETON_KEY)
+    renamed = {("l3.x" if k == "l3.w" else k): v for k, v in sd.items()}
+    for changed in (dict(reversed(sd.items())), renamed, {**sd, "l20.w": tensors[20]},
+                    {k: v for k, v in sd.items() if k != "l19.w"}, {**sd, 5: tensors[20]}, OrderedDict(sd)):
+        got = flatten({"m": changed, "n": 1}, memo)
+        plain = flatten({"m": changed, "n": 1})
+        assert list(got.items())[:-1] == list(plain.items())[:-1], changed.keys()
+        assert type(got[SKELETON_KEY]["m"]) is type(changed) and list(got[SKELETON_KEY]["m"]) == list(changed)
 
 
 @pytest.mark.parametrize("how", ["no-plan", "planned", "async", "async-planned", "memory-tier"])

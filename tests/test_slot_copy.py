@@ -93,3 +93,36 @@ def test_one_pass_copy_arguments_of_the_wrong_sizes_are_refused(native) -> None:
         native.copy(array("Q", [1]), array("Q", [1]), array("Q", [1, 2]), array("I", [0]))
     with pytest.raises(TypeError):
         native.copy(array("Q", [1]), array("Q", [1]), array("Q", [1]), b"read-only")
+
+
+def test_addresses_reads_each_picked_tensors_data_ptr_and_names_the_first_freed_one(native) -> None:
+    """``addresses`` (torch's exported data_ptr function, called from C): every picked tensor's
+    ``data_ptr()``, storage offsets, any order and repeats included; the position of the first
+    tensor whose storage was freed (else -1); an object that is not exactly a ``torch.Tensor``
+    (a ``Parameter``, an int), a position past the list, or buffers of other sizes refused with
+    nothing called."""
+    from areal_lightning._torch_internals import DATA_PTR_FUNCTION
+
+    if DATA_PTR_FUNCTION is None:
+        pytest.skip("this torch exports no data_ptr function")
+    tensors = [torch.randn(50), torch.arange(10, dtype=torch.int16)[3:], torch.zeros(2, 3), torch.tensor(1.5),
+               torch.randn(8, 8).t()]
+    index = array("Q", [3, 0, 1, 2, 4, 0])
+    out = array("Q", bytes(8 * len(index)))
+    assert native.addresses(DATA_PTR_FUNCTION, torch.Tensor, tensors, index, out) == -1
+    assert list(out) == [tensors[i].data_ptr() for i in index]
+    # a tensor of no elements has address 0 too (a slot copies none: its items have bytes)
+    assert native.addresses(DATA_PTR_FUNCTION, torch.Tensor, [tensors[0], torch.empty(0)], array("Q", [0, 1]),
+                            array("Q", [0, 0])) == 1
+    freed = [torch.ones(4), torch.ones(4), torch.ones(4)]
+    for position in (2, 1):
+        freed[position].untyped_storage().resize_(0)
+        assert native.addresses(DATA_PTR_FUNCTION, torch.Tensor, freed, array("Q", [0, 1, 2]), array("Q", [7] * 3)) \
+            == position
+    for bad in (torch.nn.Parameter(torch.ones(2)), 3):
+        with pytest.raises(TypeError, match="entry 1 .position 1 of 2. is not a Tensor"):
+            native.addresses(DATA_PTR_FUNCTION, torch.Tensor, [tensors[0], bad], array("Q", [0, 1]), array("Q", [0, 0]))
+    with pytest.raises(TypeError, match="position 5 of 5"):
+        native.addresses(DATA_PTR_FUNCTION, torch.Tensor, tensors, array("Q", [5]), array("Q", [0]))
+    with pytest.raises(ValueError, match="8 bytes per item"):
+        native.addresses(DATA_PTR_FUNCTION, torch.Tensor, tensors, array("Q", [0, 1]), array("Q", [0]))

@@ -361,3 +361,17 @@ def test_tensor_check() -> None:
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             assert not check(*view())
     assert check(*alike)
+
+
+def test_data_ptr_function() -> None:
+    """An exported C function that gives a tensor's data_ptr(), its storage offset included; 0
+    for a tensor whose storage was freed."""
+    import ctypes
+
+    assert isinstance(ti.DATA_PTR_FUNCTION, int)
+    data_ptr = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(ti.DATA_PTR_FUNCTION)  # the GIL held
+    tensors = [torch.randn(100), torch.arange(10, dtype=torch.int16)[3:], torch.randn(4, 5).t(), torch.tensor(1.5)]
+    assert [data_ptr(t) for t in tensors] == [t.data_ptr() for t in tensors]
+    freed = torch.ones(10)
+    freed.untyped_storage().resize_(0)
+    assert not data_ptr(freed) and freed.data_ptr() == 0

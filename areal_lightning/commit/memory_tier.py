@@ -240,6 +240,7 @@ class MemoryTier:
         self._replicating: dict[int, tuple[int, Future]] = {}  # slot -> (serial, its copy to the peer)
         self._replicated: int | None = None  # the slot of the newest step every rank's peer holds: kept
         self._files: dict[int, SlotFile] = {}
+        self._paths: dict[str, Any] = {}  # flatten's memo: the dotted paths of the state dicts, kept while they hold
         self._signatures = Signatures()  # each write's layout signature, checked in one call while it holds
         self._sealed: dict[int, int] = {}  # slot -> its sealed serial (this process's view)
         self._serial = 0
@@ -478,7 +479,7 @@ class MemoryTier:
         folder.mkdir(parents=True, exist_ok=True)
         _unseal(folder)
         self._sealed.pop(slot, None)
-        flat = flatten(checkpoint)
+        flat = flatten(checkpoint, self._paths)
         skeleton: Any = flat.pop(SKELETON_KEY)  # a copy of the state's non-tensor parts: pickled in the background
         key = self._signatures(flat, pinned=False)
         written = Written()

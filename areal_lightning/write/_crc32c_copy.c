@@ -40,6 +40,11 @@
  *                                 Streams the stores when the call copies stream_min bytes or
  *                                 more (default: stream_min()). Releases the GIL. The caller
  *                                 guarantees the addresses.
+ *   addresses(data_ptr, tensor_type, values, index, out)
+ *                                 out (writable uint64 buffer): the data_ptr() of the tensors
+ *                                 values[index[i]] (values: a list; index: uint64 buffer), read
+ *                                 by torch's exported function data_ptr; returns the first i
+ *                                 whose address is 0 (freed, or no elements), else -1.
  *   supported()                   whether this CPU runs copy() (SSE4.2 on x86-64).
  *   stream_min()                  the default byte count from which a call streams its stores.
  */
@@ -257,6 +262,50 @@ done:
     return result;
 }
 
+/* addresses(data_ptr, tensor_type, values, index, out): out[i] = data_ptr(values[index[i]]) for
+ * each i, where data_ptr is torch's exported `void *(*)(PyObject *)` (an int: its address; see
+ * areal_lightning/_torch_internals.py DATA_PTR_FUNCTION) and every object it is given has exactly
+ * the type tensor_type (else TypeError; the function throws a C++ exception for a non-tensor,
+ * which no C frame may see). Returns the first i whose address is 0 (a tensor whose storage was
+ * freed, or one of no elements), else -1. One call instead of a Python call per tensor: the loads of many tensors'
+ * metadata overlap (2,000 tensors, caches cold: see slot.py). */
+static PyObject *py_addresses(PyObject *self, PyObject *args) {
+    PyObject *function, *type, *values;
+    Py_buffer index, out;
+    if (!PyArg_ParseTuple(args, "OO!O!y*w*:addresses", &function, &PyType_Type, &type, &PyList_Type, &values,
+                          &index, &out))
+        return NULL;
+    PyObject *result = NULL;
+    void *(*data_ptr)(PyObject *) = (void *(*)(PyObject *))PyLong_AsVoidPtr(function);
+    Py_ssize_t count = out.len / 8, length = PyList_GET_SIZE(values), zero = -1;
+    if (data_ptr == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_crc32c_copy.addresses: data_ptr is 0");
+        goto done;
+    }
+    if (out.len % 8 || index.len != out.len) {
+        PyErr_Format(PyExc_ValueError, "_crc32c_copy.addresses: index and out need 8 bytes per item (got %zd and "
+                     "%zd bytes)", index.len, out.len);
+        goto done;
+    }
+    const uint64_t *at = index.buf;
+    for (Py_ssize_t i = 0; i < count; i++) /* every object checked before the first call */
+        if (at[i] >= (uint64_t)length || Py_TYPE(PyList_GET_ITEM(values, (Py_ssize_t)at[i])) != (PyTypeObject *)type) {
+            PyErr_Format(PyExc_TypeError, "_crc32c_copy.addresses: entry %zd (position %llu of %zd) is not a %s",
+                         i, (unsigned long long)at[i], length, ((PyTypeObject *)type)->tp_name);
+            goto done;
+        }
+    uint64_t *o = out.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        o[i] = (uint64_t)(uintptr_t)data_ptr(PyList_GET_ITEM(values, (Py_ssize_t)at[i]));
+        if (!o[i] && zero < 0) zero = i;
+    }
+    result = PyLong_FromSsize_t(zero);
+done:
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *py_supported(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(cpu_ok);
 }
@@ -267,6 +316,8 @@ static PyObject *py_stream_min(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS, "copy(dsts, srcs, sizes, out): copy each item and write its CRC32C (see the module source)."},
+    {"addresses", py_addresses, METH_VARARGS,
+     "addresses(data_ptr, tensor_type, values, index, out): each tensor's data_ptr() (see the module source)."},
     {"supported", py_supported, METH_NOARGS, "Whether this CPU runs copy()."},
     {"stream_min", py_stream_min, METH_NOARGS, "Bytes from which a copy() call streams its stores past the caches."},
     {NULL, NULL, 0, NULL},

@@ -48,7 +48,7 @@ from typing import Any, Callable
 import torch
 
 from areal_lightning._fault import fault_point
-from areal_lightning._torch_internals import DATA_SUFFIX, copy_tensors
+from areal_lightning._torch_internals import DATA_PTR_FUNCTION, DATA_SUFFIX, copy_tensors
 from areal_lightning.errors import CheckpointWriteError
 from areal_lightning.stage.host import register_host, unregister_host
 from areal_lightning.write.checksum import ITEM_CHECKSUM, Written, crc32c
@@ -161,9 +161,11 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class _Pass:
     """Items for one call of the one-pass copy (:data:`FUSED`): their keys, slot views and
     records, and their slot addresses, sizes and the CRC32Cs out, as the arrays it takes;
-    ``pick``: the pass's tensors from all of a save's, in the layout's order."""
+    ``index``: the positions of the pass's tensors among all of a save's, in the layout's order
+    (``sources``: their addresses, read by the extension's ``addresses``); ``pick``: the same
+    positions, where this torch exports no data_ptr function."""
 
-    __slots__ = ("keys", "views", "infos", "dsts", "sizes", "none", "out", "pick")
+    __slots__ = ("keys", "views", "infos", "dsts", "sizes", "none", "out", "index", "sources", "pick")
 
     def __init__(self, entries: list[Any], position: Mapping[str, int]) -> None:
         self.keys = [entry[0].key for entry in entries]
@@ -174,6 +176,8 @@ class _Pass:
         self.none = array("Q", bytes(8 * len(entries)))  # no sources: checksums of the slot bytes
         self.out = array("I", bytes(4 * len(entries)))
         index = [position[key] for key in self.keys]
+        self.index = array("Q", index)
+        self.sources = array("Q", bytes(8 * len(entries)))  # filled by each save's addresses
         self.pick: Callable[[list[Any]], Any] = (itemgetter(*index) if len(index) > 1
                                                  else (lambda values, i=tuple(index): [values[j] for j in i]))
 
@@ -186,9 +190,14 @@ class _Pass:
         contiguous host tensor) is copied by ``copy_`` first, then checksummed in the slot."""
         if flat is None:
             sources = self.none
+        elif values is not None and DATA_PTR_FUNCTION is not None:  # every address by one call
+            sources = self.sources
+            freed = _crc32c_copy.addresses(DATA_PTR_FUNCTION, torch.Tensor, values, self.index, sources)
+            if freed >= 0:  # (to the copy, 0 is no source: the slot's own bytes checksummed)
+                raise _no_storage(self.keys[freed])
         elif values is not None:
             sources = array("Q", list(map(_DATA_PTR, self.pick(values))))
-            _refuse_freed(self.keys, sources)  # (to the call, 0 is no source: the slot's own bytes checksummed)
+            _refuse_freed(self.keys, sources)
         else:
             tensors = [flat[key] for key in self.keys]
             sources = array("Q", [t.data_ptr() if t.is_cpu and t.is_contiguous() else 0 for t in tensors])
