@@ -162,15 +162,23 @@ class LastRead(pl.Callback):
 
 def test_a_crash_resumes_from_the_newest_sealed_step_bit_for_bit_and_the_tier_is_removed_at_the_end(
         tmp_path, reference, caplog, monkeypatch) -> None:
+    from areal_lightning.write import dcp_format
     from areal_lightning.write.direct import Signatures
 
     answered = []  # per write: whether its layout signature came from the check of the last one's
+    names = []  # per write: its flat dict's keys
+    monkeypatch.setattr(dcp_format, "_BULK", 1)  # this model's 10 tensors taken whole, as a model's 16 or more are
     signature = Signatures.__call__
     monkeypatch.setattr(Signatures, "__call__",
-                        lambda self, *a, **k: (checks := self.checks, signature(self, *a, **k),
-                                               answered.append(self.checks > checks))[1])
+                        lambda self, flat, *a, **k: (checks := self.checks, names.append(list(flat)),
+                                                     signature(self, flat, *a, **k),
+                                                     answered.append(self.checks > checks))[2])
     first = run(tmp_path, crash=7)  # shared tier: step 4; memory tier: steps 5 and 6
     assert answered == [False] + [True] * 5  # Lightning's state dicts: new tensors alike at every save
+    # and new key strings at every save: the model's paths are the first save's (flatten's memo)
+    model = [i for i, name in enumerate(names[0]) if name.startswith("state_dict.")]
+    assert len(model) > 5 and all(len(later) == len(names[0]) and all(later[i] is names[0][i] for i in model)
+                                  for later in names[1:])
     assert seals(tmp_path) == {0: 5, 1: 6} or seals(tmp_path) == {0: 6, 1: 5}
     [report] = inspect_path(tmp_path, verify=True, memory_root=str(tmp_path / "shm"))
     assert report["memory"][0]["ranks"] == {"rank0": [5, 6]} and report["memory"][0]["newest_complete_step"] == 6
