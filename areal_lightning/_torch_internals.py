@@ -71,7 +71,11 @@ Why each is needed (public torch has no equivalent):
   Python per tensor, caches cold. torch exports the C function behind it for compiled code that
   does not include torch's headers (``torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr``:
   its address, what inductor's generated C++ wrappers call); the memory tier's compiled copy
-  reads all addresses of a save by it in one call: :data:`DATA_PTR_FUNCTION`.
+  reads all addresses of a save by it in one call: :data:`DATA_PTR_FUNCTION`. That function
+  throws a C++ exception for a tensor without storage (``torch.func``'s wrappers inside ``vmap``
+  or ``grad`` are such tensors, yet of type ``torch.Tensor``, on the CPU and contiguous), which
+  would abort the process from the extension's C frame; public torch tells that only by raising
+  from ``untyped_storage()``: :func:`has_storage` (``torch._C._has_storage``).
 * the exact data position: torch's DataLoader iterators read indices from
   ``DataLoader._index_sampler`` and are built by ``DataLoader._get_iterator``; a tracked loader
   overrides both in a subclass made with ``type()`` and takes it by a ``__class__`` swap
@@ -92,7 +96,7 @@ __all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "
            "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
            "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log", "save_flat_state_dict", "load_flat_state_dict",
            "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter", "clear_cuda_error",
-           "count_azure_retries", "copy_tensors", "tensor_check", "DATA_PTR_FUNCTION"]
+           "count_azure_retries", "copy_tensors", "tensor_check", "DATA_PTR_FUNCTION", "has_storage"]
 
 PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_cached_all_plans",
                  "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan", "_cached_plans_key", "_pending_local_plan", "_shard",
@@ -100,7 +104,8 @@ PRIVATE_NAMES = ("_StorageInfo", "_fsspec_filesystem", "_cached_save_plan", "_ca
                  "_index_sampler", "_get_iterator", "_dcp_logger", "_save_state_dict", "_load_state_dict",
                  "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_weight_conversions",
                  "_hf_peft_config_loaded", "_filters_mutated", "_config", "_foreach_copy_", "_dynamo",
-                 "_dispatch_tls_local_exclude_set", "_torchinductor_pyobject_tensor_data_ptr")
+                 "_dispatch_tls_local_exclude_set", "_torchinductor_pyobject_tensor_data_ptr",
+                 "_has_storage")
 """The private names of torch, transformers, peft, the Azure SDK and the standard library used here (and nowhere
 else in the package)."""
 
@@ -351,5 +356,14 @@ DATA_PTR_FUNCTION: int | None = _data_ptr_function()
 """The address of torch's C function ``void *data_ptr(PyObject *tensor)``: a tensor's
 ``data_ptr()`` (0 where its storage was freed); for a non-tensor, or a tensor without storage,
 it throws a C++ exception, so a caller gives it only tensors it checked (exact ``torch.Tensor``,
-dense, on the CPU). ``None`` where this torch exports none (the caller reads ``data_ptr()`` in
-Python)."""
+dense, on the CPU, with a storage: :func:`has_storage`). ``None`` where this torch exports none
+(the caller reads ``data_ptr()`` in Python)."""
+
+
+def has_storage(tensor: Any) -> bool:
+    """Whether ``tensor`` has a storage (``torch._C._has_storage``): False for ``torch.func``'s
+    batched and gradient wrappers, whose ``data_ptr()`` raises (and whose address torch's
+    :data:`DATA_PTR_FUNCTION` cannot give without throwing)."""
+    import torch
+
+    return bool(torch._C._has_storage(tensor))

@@ -365,6 +365,12 @@ def test_flatten_with_a_memo_reuses_the_paths_of_a_dict_whose_keys_stay_and_only
         plain = flatten({"m": changed, "n": 1})
         assert list(got.items())[:-1] == list(plain.items())[:-1], changed.keys()
         assert type(got[SKELETON_KEY]["m"]) is type(changed) and list(got[SKELETON_KEY]["m"]) == list(changed)
+    # the memo keeps this call's dicts only: a prefix new at every save does not pile up
+    for step in range(5):
+        flatten({f"ema_{step}": sd, "m": sd}, memo)
+        assert set(memo) == {f"ema_{step}.", "m."}
+    flatten({"n": 1}, memo)
+    assert memo == {}
 
 
 @pytest.mark.parametrize("how", ["no-plan", "planned", "async", "async-planned", "memory-tier"])

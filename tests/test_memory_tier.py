@@ -775,6 +775,44 @@ def test_a_tensor_whose_storage_was_freed_is_refused_naming_it_not_saved_as_stal
         tier.close()
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["the-first-save", "after-saves-outside"])
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_a_save_inside_a_function_transform_is_an_error_not_an_abort(tmp_path, transform, first) -> None:
+    """Inside ``torch.func.vmap`` or ``grad`` a tensor is a wrapper with no storage, yet of type
+    ``torch.Tensor``, on the CPU and contiguous. Its save raises torch's error (no data pointer);
+    the process goes on, and the next save outside the transform is sealed. (A tensor without
+    storage given to torch's exported data_ptr function throws a C++ exception through the
+    one-pass extension: the process aborts, and with it this test's worker.)"""
+    from areal_lightning.commit.memory_tier import MemoryTier, verify_slot
+    from areal_lightning.config import MemoryConfig
+
+    tier = MemoryTier(MemoryConfig(enabled=True, root=str(tmp_path / "shm"), slots=2).validate(), tmp_path / "tier", 0)
+    step = 0
+
+    def save(x: torch.Tensor) -> torch.Tensor:
+        nonlocal step
+        step += 1
+        weights = {f"w{i}": x * i for i in range(20)}
+        tier.write({"state_dict": weights, "step": step}, global_step=step, world_size=1, lineage=None, info={})
+        tier.wait()
+        return x.sum()
+
+    try:
+        if not first:
+            for _ in range(2):
+                save(torch.ones(4))
+        with pytest.raises(RuntimeError, match="storage"):
+            if transform == "vmap":
+                torch.func.vmap(save)(torch.ones(3, 4))
+            else:
+                torch.func.grad(save)(torch.ones(4))
+        save(torch.ones(4))
+        [seal] = [s for s in tier.held() if s.global_step == step]
+        assert verify_slot(seal)[0] is None
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["one-pass", "copy-then-checksum"])
 def test_with_device_tensors_the_host_ones_are_copied_and_the_device_ones_checksummed_once_landed(
         tmp_path, monkeypatch, fused) -> None:

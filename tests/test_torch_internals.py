@@ -375,3 +375,16 @@ def test_data_ptr_function() -> None:
     freed = torch.ones(10)
     freed.untyped_storage().resize_(0)
     assert not data_ptr(freed) and freed.data_ptr() == 0
+
+
+def test_has_storage() -> None:
+    """True for plain, viewed, freed and functional tensors; False for torch.func's wrappers
+    inside vmap and grad (whose data_ptr() raises)."""
+    freed = torch.ones(3)
+    freed.untyped_storage().resize_(0)
+    assert all(ti.has_storage(t) for t in (torch.ones(2), torch.ones(4)[1:], freed))
+    seen = []
+    torch.func.vmap(lambda x: seen.append(ti.has_storage(x)) or x.sum())(torch.ones(3, 4))
+    torch.func.grad(lambda x: seen.append(ti.has_storage(x)) or x.sum())(torch.ones(4))
+    torch.func.functionalize(lambda x: seen.append(ti.has_storage(x)) or x)(torch.ones(4))
+    assert seen == [False, False, True]

@@ -85,9 +85,11 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[list[str], list[str]
     saves): the dotted paths of each dict taken whole (a state dict's tensors) are remembered
     there, and reused, the same ``str`` objects, while that dict's keys stay the same, in order:
     no path is built and hashed again (2,000 tensors: 0.25 ms a save, caches cold), and a
-    comparison of the result's keys with the last result's finds them identical."""
+    comparison of the result's keys with the last result's finds them identical. It keeps the
+    dicts of this call only (a prefix that changes every save holds no memory)."""
     tensors: dict[str, torch.Tensor] = {}
     tensor_type = torch.Tensor
+    used: set[str] = set()  # the memo's prefixes met by this call
 
     def leaf(obj: torch.Tensor, base: str, by_path: bool) -> TensorSlot:
         fqn, n = base, 1
@@ -106,7 +108,10 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[list[str], list[str]
         if cls is not dict and cls is not OrderedDict or set(map(type, obj)) != _STR \
                 or not all(map(isinstance, obj.values(), repeat(tensor_type))):
             return None
-        seen = memo.get(prefix) if memo is not None else None
+        seen = None
+        if memo is not None:
+            seen = memo.get(prefix)
+            used.add(prefix)
         if seen is not None and len(seen[0]) == len(obj) and seen[0] == list(obj):  # equal strs: the same paths
             children = seen[1]
         else:
@@ -152,6 +157,9 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[list[str], list[str]
         return copy.deepcopy(obj)
 
     skeleton = walk(dict(state), None, True)
+    if memo is not None and len(memo) > len(used):
+        for prefix in memo.keys() - used:
+            del memo[prefix]
     return {**tensors, SKELETON_KEY: skeleton}
 
 

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from areal_lightning._fault import fault_enabled, fault_point
-from areal_lightning._torch_internals import DATA_SUFFIX, storage_info, tensor_check
+from areal_lightning._torch_internals import DATA_SUFFIX, has_storage, storage_info, tensor_check
 from areal_lightning.errors import UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to
@@ -124,8 +124,9 @@ class Signatures:
         self._key: tuple[Any, ...] | None = None
         self._check: Callable[..., bool] | None = None
         self.plain = False
-        """Whether the tensors of the last call are contiguous host tensors (their bytes at
-        their ``data_ptr()``), as those that gave the remembered signature were."""
+        """Whether the tensors of the last call are contiguous host tensors with a storage (their
+        bytes at their ``data_ptr()``), as those that gave the remembered signature were (the
+        check compares dispatch keys: a ``torch.func`` wrapper, which has none, fails it)."""
         self.checks = 0
         """Calls answered by the check (for tests and telemetry)."""
 
@@ -143,7 +144,7 @@ class Signatures:
         if key is not None:
             tensors = list(flat.values())
             self._check = tensor_check(tensors)
-            self.plain = all(tensor.is_cpu and tensor.is_contiguous() for tensor in tensors)
+            self.plain = all(tensor.is_cpu and tensor.is_contiguous() and has_storage(tensor) for tensor in tensors)
         return key
 
 

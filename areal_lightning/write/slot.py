@@ -69,6 +69,10 @@ of 4 MB or more stores past the caches; about 0.6-0.9x the time of torch's ``cop
 against 1.1-1.8x for a copy then a checksum); else
 (not built, or no SSE4.2) a ``memmove`` or a group copy, then ``crc32c``."""
 
+_ADDRESSES = DATA_PTR_FUNCTION if FUSED and hasattr(_crc32c_copy, "addresses") else None
+"""Where the one-pass extension reads a save's addresses in one call (torch's exported data_ptr
+function; an extension built before it had ``addresses``: ``None``, each read in Python)."""
+
 _CHUNK = 1 << 20
 """Bytes copied and then checksummed at a time (while the chunk is still in the CPU's cache)."""
 
@@ -190,9 +194,9 @@ class _Pass:
         contiguous host tensor) is copied by ``copy_`` first, then checksummed in the slot."""
         if flat is None:
             sources = self.none
-        elif values is not None and DATA_PTR_FUNCTION is not None:  # every address by one call
+        elif values is not None and _ADDRESSES is not None:  # every address by one call
             sources = self.sources
-            freed = _crc32c_copy.addresses(DATA_PTR_FUNCTION, torch.Tensor, values, self.index, sources)
+            freed = _crc32c_copy.addresses(_ADDRESSES, torch.Tensor, values, self.index, sources)
             if freed >= 0:  # (to the copy, 0 is no source: the slot's own bytes checksummed)
                 raise _no_storage(self.keys[freed])
         elif values is not None:
