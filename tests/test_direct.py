@@ -186,6 +186,38 @@ def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> 
     assert engine.staging_buffers is None
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_async_saves_alike_take_their_signature_from_one_check_and_a_changed_tensor_is_saved_as_it_is(
+        tmp_path: Path, executor: str) -> None:
+    """An async save that needs no plan takes its layout's signature from one check of its
+    tensors while they stay alike (new tensor objects, as ``state_dict()`` makes them, count as
+    alike); a tensor whose shape, dtype or ``requires_grad`` changed under its key is saved with
+    its new properties; every save loads back as it was."""
+    engine = DCPEngine(async_executor=executor)
+    base = {f"w{i}": torch.full((4, 3), float(i)) for i in range(20)}
+    changes = {"alike": lambda t: t.detach().clone(), "shape": lambda t: t.reshape(3, 4).clone(),
+               "dtype": lambda t: t.double(), "requires_grad": lambda t: t.clone().requires_grad_()}
+    try:
+        order = ["alike", "alike", "shape", "shape", "dtype", "requires_grad", "requires_grad", "alike"]
+        for step, change in enumerate(order):
+            checks = engine._signatures.checks
+            weights = {k: (changes[change](v) if k == "w5" else v.detach()) for k, v in base.items()}
+            engine.save({"state_dict": weights, "step": step}, tmp_path / f"c{step}", asynchronous=True)
+            engine.wait()
+            taken = engine._signatures.checks > checks
+            assert taken == (step > 0 and change == order[step - 1]), (step, change)  # alike the last save's
+            loaded = engine.load(tmp_path / f"c{step}")
+            assert loaded["step"] == step and list(loaded["state_dict"]) == list(weights)
+            for key, tensor in weights.items():
+                got = loaded["state_dict"][key]
+                assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor.detach()), key
+            md = FileSystemReader(tmp_path / f"c{step}").read_metadata().state_dict_metadata["state_dict.w5"]
+            assert (tuple(md.size), md.properties.dtype, md.properties.requires_grad) == \
+                (tuple(weights["w5"].shape), weights["w5"].dtype, weights["w5"].requires_grad)
+    finally:
+        engine.close()
+
+
 def _save_into(path: Path, state: dict, layout: "direct.ByteLayout | None" = None,
                written: "direct.Written | None" = None) -> "direct.ByteLayout":
     flat = flatten(state)

@@ -188,6 +188,10 @@ def _invalidate(path: Path, *, withdraw_marker: bool = True) -> None:
 
 
 
+_NO_SKELETON = object()
+"""A flat dict without the skeleton (a collective save's rank other than 0)."""
+
+
 class DCPEngine:
     """Sync/async DCP saves and template loads with one save in flight (see module doc).
 
@@ -218,6 +222,8 @@ class DCPEngine:
         self._plan_keys: set[str] = set()
         self._checked_plans: dict[str, tuple[Any, dict[str, Any]]] = {}
         self._layout: direct.ByteLayout | None = None  # of the last rank-local save of plain tensors
+        self._paths: dict[str, Any] = {}  # flatten's memo: the dotted paths of the state dicts
+        self._signatures = direct.Signatures()  # an async save's layout signature, checked in one call while it holds
         self._buffers: tuple[direct.ByteLayout, dict[str, torch.Tensor]] | None = None  # its async staging buffers
         self._copy_stream: Any = None  # CUDA: the stream of those copies
         self._upload_thread: ThreadPoolExecutor | None = None
@@ -284,7 +290,7 @@ class DCPEngine:
             fault_point("engine.before_staging")
             if prepare is not None:
                 prepare()
-            flat = flatten(state)
+            flat = flatten(state, self._paths)
             if rank != 0:
                 # Collective save: rank 0's skeleton describes the checkpoint; the others'
                 # contribute tensors only (DCP would keep one arbitrary rank's byte item).
@@ -334,7 +340,7 @@ class DCPEngine:
                 if self.async_executor == "process":
                     if self._process is None:
                         self._process = CheckpointProcess(self.thread_count)
-                    layout = self._process.layout_for(flat)
+                    layout = self._process.layout_for(self._signature(flat, pinned=False))
                 else:
                     layout = self._direct_layout(flat, pinned=pin_buffers())
             if layout is not None:  # a save that needs no plan: staged into buffers of its layout
@@ -402,10 +408,25 @@ class DCPEngine:
                                       for key, shape, dtype, _, _ in layout.key})
         return self._buffers[1]
 
-    def _direct_layout(self, flat: Mapping[str, Any], pinned: bool | None = None) -> direct.ByteLayout | None:
+    def _signature(self, flat: dict[str, Any], pinned: bool | None) -> tuple[Any, ...] | None:
+        """:func:`~areal_lightning.write.direct.signature` of ``flat``; with ``pinned`` given (an
+        async save: where its bytes are staged from) by :class:`~areal_lightning.write.direct.Signatures`,
+        one check of its tensors while they stay alike (the skeleton set aside meanwhile). A
+        sync save writes from the tensors themselves, whose pinning the check does not cover:
+        its signature is read from them."""
+        if pinned is None:
+            return direct.signature(flat, None)
+        skeleton = flat.pop(SKELETON_KEY, _NO_SKELETON)
+        try:
+            return self._signatures(flat, pinned)
+        finally:
+            if skeleton is not _NO_SKELETON:
+                flat[SKELETON_KEY] = skeleton
+
+    def _direct_layout(self, flat: dict[str, Any], pinned: bool | None = None) -> direct.ByteLayout | None:
         """The layout of a save of ``flat`` that needs no plan (reused while the keys, shapes
         and dtypes stay), or ``None`` when DCP must plan it."""
-        key = direct.signature(flat, pinned)
+        key = self._signature(flat, pinned)
         if key is None:
             return None
         if self._layout is None or self._layout.key != key:

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -141,10 +140,10 @@ class CheckpointProcess:
         """The checkpoint process's pid while it runs."""
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
-    def layout_for(self, flat: Mapping[str, Any]) -> direct.ByteLayout | None:
-        """The layout of ``flat`` (reused while its tensors keep their keys, shapes and dtypes),
-        or ``None`` when the save needs a plan (then the thread executor writes it)."""
-        key = direct.signature(flat, pinned=False)
+    def layout_for(self, key: tuple[Any, ...] | None) -> direct.ByteLayout | None:
+        """The layout of a save whose signature (:func:`~areal_lightning.write.direct.signature`,
+        unpinned) is ``key``, reused while it stays; ``None`` when the save needs a plan (``key``
+        ``None``: then the thread executor writes it)."""
         if key is None:
             return None
         if self._layout is None or self._layout.key != key:
