@@ -12,9 +12,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def _below_ephemeral() -> range:
+    """Ports under the kernel's ephemeral range (``ip_local_port_range``: what a bind to port 0
+    and an outgoing connection take), 12,000 of them at most, from 10,000."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(10_000, low - 12_000), low)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on now, drawn at random below the kernel's
+    ephemeral range: between this call and the server's bind no other process is given it by
+    the kernel (gloo's listeners and every outgoing connection take ports from that range; a
+    port from it was once taken by one of them, and the test's server exited with EADDRINUSE
+    while its client reached the other process)."""
+    import random
+
+    ports = _below_ephemeral()
+    for _ in range(100):
+        port = random.choice(ports) if len(ports) else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:  # that range is full: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

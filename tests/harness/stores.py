@@ -13,6 +13,7 @@ system instance of its own (no listing cache).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -38,17 +39,42 @@ SMALL_PARTS = {
 
 def wait_for_port(proc: subprocess.Popen, port: int, what: str, log: Path) -> None:
     """Until ``proc`` accepts connections on 127.0.0.1:``port`` (2 minutes at most; it is killed
-    and an error naming ``what`` and its ``log`` raised when it exits or does not)."""
+    and an error naming ``what`` and its ``log`` raised when it exits or does not). On Linux the
+    listener must be ``proc``'s own socket: another process listening there (the port taken
+    between :func:`~tests.harness.launch.free_port` and ``proc``'s bind) is not taken for it."""
     deadline = time.monotonic() + 120
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
+            if _listens(proc.pid, port) is not False:
+                return
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"{what} did not start: see {log}") from None
-            time.sleep(0.1)
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{what} did not start on port {port}: see {log}")
+        time.sleep(0.1)
+
+
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (its inode in
+    ``/proc/net/tcp`` among ``/proc/<pid>/fd``); ``None`` where ``/proc`` does not tell."""
+    inodes = set()
+    try:
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (OSError, IndexError, ValueError):
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def start_fake_gcs(workdir: Path) -> tuple[subprocess.Popen, str]:
