@@ -108,16 +108,16 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[list[str], list[str]
         if cls is not dict and cls is not OrderedDict or set(map(type, obj)) != _STR \
                 or not all(map(isinstance, obj.values(), repeat(tensor_type))):
             return None
-        seen = None
+        seen = names = None
         if memo is not None:
-            seen = memo.get(prefix)
+            names, seen = list(obj), memo.get(prefix)
             used.add(prefix)
-        if seen is not None and len(seen[0]) == len(obj) and seen[0] == list(obj):  # equal strs: the same paths
+        if seen is not None and seen[0] == names:  # equal strs: the same paths
             children = seen[1]
         else:
             children = list(map(prefix.__add__, obj))
             if memo is not None:
-                memo[prefix] = (list(obj), children)
+                memo[prefix] = (names, children)
         if not tensors.keys().isdisjoint(children) or SKELETON_KEY.startswith(prefix) and SKELETON_KEY in children:
             return None
         tensors.update(zip(children, obj.values()))

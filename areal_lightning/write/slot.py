@@ -41,7 +41,6 @@ import os
 from array import array
 from collections.abc import Mapping
 from concurrent.futures import Executor
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,7 +70,8 @@ against 1.1-1.8x for a copy then a checksum); else
 
 _ADDRESSES = DATA_PTR_FUNCTION if FUSED and hasattr(_crc32c_copy, "addresses") else None
 """Where the one-pass extension reads a save's addresses in one call (torch's exported data_ptr
-function; an extension built before it had ``addresses``: ``None``, each read in Python)."""
+function); ``None`` where torch exports no such function or the extension was built before it
+had ``addresses``: then each tensor's address is read in Python, with a look at the tensor."""
 
 _CHUNK = 1 << 20
 """Bytes copied and then checksummed at a time (while the chunk is still in the CPU's cache)."""
@@ -166,10 +166,9 @@ class _Pass:
     """Items for one call of the one-pass copy (:data:`FUSED`): their keys, slot views and
     records, and their slot addresses, sizes and the CRC32Cs out, as the arrays it takes;
     ``index``: the positions of the pass's tensors among all of a save's, in the layout's order
-    (``sources``: their addresses, read by the extension's ``addresses``); ``pick``: the same
-    positions, where this torch exports no data_ptr function."""
+    (``sources``: their addresses, read by the extension's ``addresses``)."""
 
-    __slots__ = ("keys", "views", "infos", "dsts", "sizes", "none", "out", "index", "sources", "pick")
+    __slots__ = ("keys", "views", "infos", "dsts", "sizes", "none", "out", "index", "sources")
 
     def __init__(self, entries: list[Any], position: Mapping[str, int]) -> None:
         self.keys = [entry[0].key for entry in entries]
@@ -179,29 +178,24 @@ class _Pass:
         self.sizes = array("Q", [entry[0].nbytes for entry in entries])
         self.none = array("Q", bytes(8 * len(entries)))  # no sources: checksums of the slot bytes
         self.out = array("I", bytes(4 * len(entries)))
-        index = [position[key] for key in self.keys]
-        self.index = array("Q", index)
+        self.index = array("Q", [position[key] for key in self.keys])
         self.sources = array("Q", bytes(8 * len(entries)))  # filled by each save's addresses
-        self.pick: Callable[[list[Any]], Any] = (itemgetter(*index) if len(index) > 1
-                                                 else (lambda values, i=tuple(index): [values[j] for j in i]))
 
     def copy(self, flat: Mapping[str, Any] | None, values: list[torch.Tensor] | None = None) -> None:
         """Copy each item from ``flat`` into the slot and compute its CRC32C, in one call that
         releases the GIL (:meth:`record` puts the CRC32Cs on the records, after the save point);
         ``flat=None``: only the CRC32Cs of what the slot holds. ``values``: ``flat``'s tensors in
-        the layout's order, all contiguous host tensors (known by the caller: their addresses
-        are read without a look at each one); else a source the call cannot read (not a
-        contiguous host tensor) is copied by ``copy_`` first, then checksummed in the slot."""
+        the layout's order, all contiguous host tensors with a storage (known by the caller:
+        their addresses are read by one call of :data:`_ADDRESSES`, without a look at each one);
+        else a source the call cannot read (not a contiguous host tensor) is copied by
+        ``copy_`` first, then checksummed in the slot."""
         if flat is None:
             sources = self.none
-        elif values is not None and _ADDRESSES is not None:  # every address by one call
+        elif values is not None:  # every address by one call
             sources = self.sources
             freed = _crc32c_copy.addresses(_ADDRESSES, torch.Tensor, values, self.index, sources)
             if freed >= 0:  # (to the copy, 0 is no source: the slot's own bytes checksummed)
                 raise _no_storage(self.keys[freed])
-        elif values is not None:
-            sources = array("Q", list(map(_DATA_PTR, self.pick(values))))
-            _refuse_freed(self.keys, sources)
         else:
             tensors = [flat[key] for key in self.keys]
             sources = array("Q", [t.data_ptr() if t.is_cpu and t.is_contiguous() else 0 for t in tensors])
@@ -284,10 +278,10 @@ def _copy_share(share: list[_Unit], flat: Mapping[str, Any], fault: bool, values
 def _copy_item(item: Any, view: torch.Tensor, address: int, mapped: memoryview, tensor: torch.Tensor) -> None:
     """One item of :func:`_copy_share` copied on its own."""
     nbytes = item.nbytes
-    if not tensor.data_ptr():
+    source = tensor.data_ptr()
+    if not source:
         raise _no_storage(item.key)
     if tensor.is_cpu and tensor.is_contiguous():
-        source = tensor.data_ptr()
         if nbytes <= _CHUNK:
             ctypes.memmove(address, source, nbytes)
             value = crc32c(mapped)
@@ -411,15 +405,16 @@ class SlotFile:
         the :class:`PendingCopy` to wait for (its checksums computed) before the ``late``
         tensors change and before the slot is sealed.
 
-        ``plain``: the caller knows every tensor of ``flat`` is a contiguous host tensor and
-        ``flat`` is in the layout's order (its :class:`~areal_lightning.write.direct.Signatures`
-        checked them): their addresses are taken without a look at each one."""
+        ``plain``: the caller knows every tensor of ``flat`` is a contiguous host tensor with a
+        storage and ``flat`` is in the layout's order (its
+        :class:`~areal_lightning.write.direct.Signatures` checked them): where the extension
+        reads addresses (:data:`_ADDRESSES`), they are taken without a look at each one."""
         k = threads if pool is not None else 1
         device = ([entry for entry in self._items if flat[entry[0].key].is_cuda]
                   if stream is not None and not plain else [])
         host_shares, device_shares = self._split(device, k)
         done = self._copy_device(flat, device, stream, late or (lambda tensor: False)) if device else None
-        values = list(flat.values()) if plain and FUSED else None
+        values = list(flat.values()) if plain and _ADDRESSES is not None else None
         try:
             _run_shares(_fused_copy if FUSED else _copy_share, host_shares, pool, flat, not device, values)  # fault: host-only
         except BaseException:
