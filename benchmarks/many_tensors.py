@@ -6,7 +6,8 @@ Usage::
 
 A checkpoint of ``--mb`` MB of fp32 tensors, split into ``--counts`` tensors (default 20 and
 2000), written and read by each method; medians over interleaved repeats, after one warm-up
-save per method (a training run's saves after the first reuse DCP's cached plan):
+save per method (a training run's saves after the first reuse DCP's cached plan; one engine
+per count, so the 20- and 2,000-tensor saves do not evict each other's cached layout):
 
   dcp_sync     ``DCPEngine.save``: durable and committed when it returns
   dcp_load     ``DCPEngine.load`` into a template of the same tensors (what a resume does)
@@ -80,7 +81,7 @@ def _fsynced_save(state: dict[str, Any], path: Path) -> None:
 
 def measure(mb: int, counts: list[int], repeats: int, workdir: Path) -> dict[int, dict[str, float]]:
     """Median seconds per method and count."""
-    engine = DCPEngine()
+    engines = {count: DCPEngine() for count in counts}  # one per state, as a training run's (its layout cached)
     states = {count: state_of(mb, count) for count in counts}
     templates = {count: {"state_dict": {k: torch.empty_like(v) for k, v in s["state_dict"].items()}}
                  for count, s in states.items()}
@@ -95,7 +96,7 @@ def measure(mb: int, counts: list[int], repeats: int, workdir: Path) -> dict[int
         tiers[count].wait()
 
     for count in counts:  # warm-up: plans cached, files exist, the slots mapped
-        engine.save(states[count], workdir / f"dcp{count}")
+        engines[count].save(states[count], workdir / f"dcp{count}")
         _fsynced_save(states[count], workdir / f"t{count}.pt")
         for _ in range(2):
             sealed(count)
@@ -104,8 +105,8 @@ def measure(mb: int, counts: list[int], repeats: int, workdir: Path) -> dict[int
             dcp, pt = workdir / f"dcp{count}", workdir / f"t{count}.pt"
             row = times[count]
             shutil.rmtree(dcp)
-            row["dcp_sync"].append(_timed(lambda: engine.save(states[count], dcp)))
-            row["dcp_load"].append(_timed(lambda: engine.load(dcp, template=templates[count])))
+            row["dcp_sync"].append(_timed(lambda: engines[count].save(states[count], dcp)))
+            row["dcp_load"].append(_timed(lambda: engines[count].load(dcp, template=templates[count])))
             row["torch_save"].append(_timed(lambda: _fsynced_save(states[count], pt)))
             row["torch_load"].append(_timed(lambda: torch.load(pt, weights_only=True)))
             row["memory_copy"].append(_timed(lambda: slot(count)))
@@ -115,7 +116,8 @@ def measure(mb: int, counts: list[int], repeats: int, workdir: Path) -> dict[int
             row["memory_fresh"].append(_timed(lambda: slot(count, fresh)))
             tiers[count].wait()
             del fresh
-    engine.close()
+    for engine in engines.values():
+        engine.close()
     for tier in tiers.values():
         tier.close()
     return {count: {m: statistics.median(v) for m, v in row.items()} for count, row in times.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import threading
 from pathlib import Path
@@ -119,6 +120,83 @@ def test_weights_only_applies_to_the_skeleton(tmp_path: Path) -> None:
     eng.save({"opaque": Opaque(1)}, tmp_path / "custom")
     with pytest.raises(pickle.UnpicklingError, match="weights_only=False"):
         eng.load(tmp_path / "custom", weights_only=True)
+
+
+
+class _Touch:
+    """Unpickled, it creates a file (what a malicious pickle would do instead)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _same(a, b) -> bool:
+    """Equal, and of the same types all the way down (an OrderedDict's attributes too)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a) and vars(a) == vars(b) \
+            if isinstance(a, collections.OrderedDict) else list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def test_a_plain_skeleton_loads_by_the_compiled_unpickler_as_torch_load_would(tmp_path: Path, monkeypatch) -> None:
+    """``load_plain`` (the skeleton of a weights-only load): what ``torch.load(weights_only=True)``
+    gives, for every builtin value and type it allows; anything else -- a tensor (a persistent
+    id), a class or function it does not know, a callable that would run, damaged or foreign
+    bytes -- is left to ``torch.load`` (``NOT_PLAIN``) without being run; and a load of a plain
+    skeleton does not call ``torch.load`` at all."""
+    from areal_lightning.write.dcp_format import NOT_PLAIN, UNNAMED, TensorSlot, load_plain, slot_globals
+
+    metadata = collections.OrderedDict(w=1)
+    metadata._metadata = {"": {"version": 1}}
+    plain = [
+        {"a": 1, "b": [1.5, -2, None, True, "x" * 300, b"\x00\xff" * 40], "c": (1, (2, 3)), 4: {}, (5, 6): []},
+        metadata, collections.Counter("abracadabra"), {1, 2, "three"}, bytearray(b"\x01\x02"),
+        complex(1, -2), float("inf"), [UNNAMED, TensorSlot("opt.state.0.exp_avg"), UNNAMED],
+        {"state_dict": dict.fromkeys([f"layer{i}.weight" for i in range(50)], UNNAMED), "step": 7},
+        [[[[{"deep": 1}]]]], "", 2 ** 80,
+    ]
+    for obj in plain:
+        data = _saved(obj)
+        with torch.serialization.safe_globals(slot_globals()):
+            expected = torch.load(io.BytesIO(data), weights_only=True)
+        assert _same(load_plain(data), expected), obj
+    marker = tmp_path / "ran"
+    others = [{"t": torch.ones(2)}, Point(1, 2), Opaque(3), _Touch(marker), torch.float32, torch.Size([2]),
+              collections.defaultdict(list), frozenset({4})]  # (frozenset: weights_only refuses it)
+    for obj in others:
+        assert load_plain(_saved(obj)) is NOT_PLAIN, obj
+    assert not marker.exists()
+    data = _saved({"a": 1})
+    assert load_plain(data[: len(data) // 2]) is NOT_PLAIN and load_plain(b"not a zip") is NOT_PLAIN
+    at = data.index(b"\x80\x02")  # data.pkl's start (stored, not compressed): a damaged opcode
+    assert load_plain(data[:at + 2] + b"\xff" + data[at + 3:]) is NOT_PLAIN
+    # in a load: a plain skeleton never reaches torch.load
+    model, opt = _trained_adam()
+    eng = DCPEngine()
+    eng.save({"state_dict": model.state_dict(), "optimizer": opt.state_dict(), "step": 3,
+              "meta": {"names": {"a", "b"}, "blob": b"xyz"}}, tmp_path / "plain")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load called")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    loaded = eng.load(tmp_path / "plain", weights_only=True)
+    assert loaded["step"] == 3 and loaded["meta"] == {"names": {"a", "b"}, "blob": b"xyz"}
+    assert _same(loaded["optimizer"]["param_groups"], opt.state_dict()["param_groups"])
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
 def test_async_returns_snapshot_not_later_mutations(tmp_path: Path) -> None:
@@ -446,13 +524,28 @@ def test_save_reads_nothing_and_records_every_items_crc_in_the_metadata(tmp_path
     engine.close()
 
 
-def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass-read", "read-then-crc32c"])
+def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path: Path, monkeypatch, one_pass) -> None:
+    """Both writers and readers of a save and load without plan: the compiled one-pass ones
+    (each part checksummed as written or read) and the Python ones (without the extension)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from areal_lightning.commit.manifest import verify_files
+    from areal_lightning.write import dcp_reader
+    from areal_lightning.write.dcp_format import flat_tensors
+
+    assert dcp_reader.ONE_PASS_READ or not one_pass, "the compiled _crc32c_copy is not built (see test_slot_copy.py)"
+    monkeypatch.setattr(dcp_reader, "ONE_PASS_READ", one_pass)
+    monkeypatch.setattr(direct, "ONE_PASS_WRITE", one_pass)
+    calls = []
+    batch = dcp_reader.AdoptingReader._read_batch
+    monkeypatch.setattr(dcp_reader.AdoptingReader, "_read_batch", lambda *a: calls.append(1) or batch(*a))
 
     engine, path = DCPEngine(), tmp_path / "ckpt"
-    engine.save(_big_state(), path)
+    state = _big_state()
+    engine.save(state, path)
+    back, saved = flat_tensors(engine.load(path)), flat_tensors(state)
+    assert back.keys() == saved.keys() and all(torch.equal(back[k], v) for k, v in saved.items())
     md = FileSystemReader(path).read_metadata()
     items = sorted(((info.relative_path, info.offset, info.length, index.fqn) for index, info in md.storage_data.items()))
     for name, offset, length, key in items[:: max(1, len(items) // 7)] + items[-1:]:
@@ -472,6 +565,7 @@ def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path:
         f.truncate(shard.stat().st_size - 3)
     with pytest.raises(CheckpointCorruptError, match=f"{shard} is truncated: {items[-1][3]!r} needs bytes"):
         engine.load(path)
+    assert bool(calls) == one_pass
 
 
 @pytest.mark.parametrize("planned", [False, True], ids=["direct", "planned-by-dcp"])

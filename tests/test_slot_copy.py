@@ -126,3 +126,100 @@ def test_addresses_reads_each_picked_tensors_data_ptr_and_names_the_first_freed_
         native.addresses(DATA_PTR_FUNCTION, torch.Tensor, tensors, array("Q", [5]), array("Q", [0]))
     with pytest.raises(ValueError, match="8 bytes per item"):
         native.addresses(DATA_PTR_FUNCTION, torch.Tensor, tensors, array("Q", [0, 1]), array("Q", [0]))
+
+
+GROUP, IOVECS, CHUNK = 512 << 10, 256, 6 * BLOCK  # as in _crc32c_copy.c
+
+
+def test_read_fills_each_destination_from_the_file_and_gives_its_crc32c(native, tmp_path) -> None:
+    """``read`` (a local load's tensors, one call per file part): every item's bytes land in its
+    destination and its CRC32C is the ``crc32c`` package's, on every path: adjacent small items
+    read by one ``preadv`` (runs cut at GROUP bytes and at IOVECS items, and at a gap in the
+    file), a large item read CHUNK bytes at a time (its last chunk with a remainder), items of
+    no bytes, misaligned destinations; nothing outside an item is written."""
+    rng = random.Random(2)
+    sizes = lengths() + [GROUP - 1, GROUP, GROUP + 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7] + [8] * (IOVECS + 40)
+    rng.shuffle(sizes)
+    offsets, at = [], 0
+    for i, n in enumerate(sizes):
+        if i % 17 == 0:
+            at += rng.randrange(1, 100)  # a gap: the next item starts another run
+        offsets.append(at)
+        at += n
+    data = torch.randint(0, 256, (at + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "items"
+    path.write_bytes(data.numpy().tobytes())
+    dst_at, end = [], 0
+    for n in sizes:
+        end += rng.randrange(1, 17)
+        dst_at.append(end)
+        end += n
+    target = torch.full((end + 16,), 0xA5, dtype=torch.uint8)
+    out = array("I", bytes(4 * len(sizes)))
+    with open(path, "rb") as f:
+        assert native.read(f.fileno(), array("Q", offsets), array("Q", [target.data_ptr() + d for d in dst_at]),
+                           array("Q", sizes), out) == -1
+    expected = torch.full_like(target, 0xA5)
+    for n, o, d, value in zip(sizes, offsets, dst_at, out):
+        expected[d:d + n] = data[o:o + n]
+        assert value == crc32c.crc32c(data[o:o + n].numpy().tobytes()), n
+    assert torch.equal(target, expected)
+
+
+@pytest.mark.parametrize("last", [100, GROUP + 10, 3 * CHUNK], ids=["in-a-run", "a-large-item-alone",
+                                                                    "a-large-item-in-its-third-chunk"])
+def test_read_names_the_first_item_the_file_ends_in(native, tmp_path, last) -> None:
+    """A file shorter than its items: ``read`` returns the position of the first item it ends
+    in, with the items before it read and checksummed; a failed read raises ``OSError``."""
+    data = bytes(range(256)) * 4096  # 1 MB
+    path = tmp_path / "short"
+    path.write_bytes(data)
+    sizes = [1000, 2000, last, 50]
+    offsets = [0, 1000, len(data) - last // 2, len(data) + 10]
+    targets = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    out = array("I", bytes(16))
+    with open(path, "rb") as f:
+        assert native.read(f.fileno(), array("Q", offsets), array("Q", [t.data_ptr() for t in targets]),
+                           array("Q", sizes), out) == 2
+        fd = f.fileno()
+    assert bytes(targets[0].numpy()) == data[:1000] and bytes(targets[1].numpy()) == data[1000:3000]
+    assert list(out[:2]) == [crc32c.crc32c(data[:1000]), crc32c.crc32c(data[1000:3000])]
+    with pytest.raises(OSError, match="Bad file descriptor"):  # closed
+        native.read(fd, array("Q", [0]), array("Q", [targets[0].data_ptr()]), array("Q", [10]), array("I", [0]))
+    with pytest.raises(ValueError, match="8 bytes per item and out 4"):
+        native.read(0, array("Q", [0]), array("Q", [0, 0]), array("Q", [1]), array("I", [0]))
+
+
+def test_write_puts_each_item_in_the_file_in_order_with_its_crc32c(native, tmp_path) -> None:
+    """``write`` (a save's items of one file): the file holds every item's bytes in order and
+    each CRC32C is the ``crc32c`` package's, on every path: small items checksummed together and
+    written by one ``writev`` (runs cut at GROUP bytes and IOVECS items), a large item CHUNK bytes
+    at a time (its last chunk with a remainder), items of no bytes, ``bytes`` and views of
+    tensors; it appends at the file's position; a failed write raises ``OSError``; what is not a
+    contiguous buffer is refused before anything is written."""
+    rng = random.Random(3)
+    sizes = lengths() + [GROUP - 1, GROUP, GROUP + 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7] + [8] * (IOVECS + 40)
+    rng.shuffle(sizes)
+    source = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    items, at = [], 0
+    for i, n in enumerate(sizes):
+        piece = source[at:at + n].numpy()
+        items.append(piece.tobytes() if i % 2 else memoryview(piece))
+        at += n
+    path = tmp_path / "items"
+    out = array("I", bytes(4 * len(items)))
+    with open(path, "wb") as f:
+        f.write(b"head")
+        f.flush()
+        assert native.write(f.fileno(), items, out) >= 0.0
+    assert path.read_bytes() == b"head" + source.numpy().tobytes()
+    assert list(out) == [crc32c.crc32c(bytes(item)) for item in items]
+    with open(path, "rb") as f, pytest.raises(OSError, match="Bad file descriptor"):
+        native.write(f.fileno(), [b"x" * 100], array("I", [0]))
+    with pytest.raises(ValueError, match="4 bytes per item"):
+        native.write(1, [b"x"], array("I", [0, 0]))
+    with open(path, "wb") as f:
+        for bad in (3, memoryview(source.numpy()[::2])):
+            with pytest.raises((TypeError, BufferError, ValueError)):
+                native.write(f.fileno(), [b"ok", bad], array("I", [0, 0]))
+    assert path.read_bytes() == b""

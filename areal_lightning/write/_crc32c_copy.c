@@ -1,4 +1,8 @@
-/* Copy and CRC32C in one pass: the memory tier's save point (see areal_lightning/write/slot.py).
+/* Copy and CRC32C in one pass: the memory tier's save point (see areal_lightning/write/slot.py);
+ * and a local save's writes and load's reads with their CRC32Cs (write() and read(), see
+ * areal_lightning/write/direct.py and dcp_reader.py): each part of a file checksummed right
+ * before its write or right after its read, while in the cache, a call per file part with the
+ * GIL released instead of a call or two per item in Python.
  *
  * A slot's copy must also give each item's CRC32C. Copying (memmove) and then checksumming
  * (the crc32c package) reads every byte twice; here each 8-byte word is loaded once, stored to
@@ -45,13 +49,32 @@
  *                                 values[index[i]] (values: a list; index: uint64 buffer), read
  *                                 by torch's exported function data_ptr; returns the first i
  *                                 whose address is 0 (freed, or no elements), else -1.
+ *   read(fd, offsets, dsts, sizes, out)
+ *                                 offsets/dsts/sizes: uint64 buffers, out: writable uint32
+ *                                 buffer; reads sizes[i] bytes of the file fd at offsets[i]
+ *                                 into dsts[i] and writes their CRC32C to out[i], each part
+ *                                 checksummed right after it was read, while in the cache.
+ *                                 Returns -1, or the first i the file ended in (out[j] for
+ *                                 j < i filled); raises OSError for a failed read. Releases
+ *                                 the GIL. The caller guarantees the addresses.
+ *   write(fd, items, out)         items: a list of objects with a contiguous buffer (memoryview,
+ *                                 bytes), out: writable uint32 buffer; writes each item's bytes
+ *                                 to the file fd at its position, in order, and their CRC32C to
+ *                                 out[i], each part checksummed right before its write, while in
+ *                                 the cache. Returns the seconds spent checksumming; raises
+ *                                 OSError for a failed write. Releases the GIL.
  *   supported()                   whether this CPU runs copy() (SSE4.2 on x86-64).
  *   stream_min()                  the default byte count from which a call streams its stores.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_KERNEL 1
@@ -226,6 +249,184 @@ static void copy_all(const uint64_t *d, const uint64_t *s, const uint64_t *n, ui
         }
     if (streaming) _mm_sfence(); /* the streamed stores visible before the call returns */
 }
+
+/* A load's reads (read() below): the file read into each destination a part at a time, each
+ * part checksummed right after its read while it is in the cache, instead of a read then a
+ * checksum pass over memory the read has left (the Python reader's way, a call or two per item
+ * with the GIL taken between). Adjacent items under GROUP bytes are read by one preadv of up to
+ * GROUP bytes and IOVECS items; a larger item is read CHUNK bytes at a time (a multiple of the
+ * three-chain block, so its CRC runs as copy()'s does). */
+#define GROUP (512 * 1024)
+#define IOVECS 256
+#define CHUNK (2 * 3 * BLOCK)
+
+/* pread until n bytes or the end of the file; returns the bytes read, -1 (errno in *err). */
+static ssize_t read_fully(int fd, uint8_t *dst, size_t n, uint64_t offset, int *err) {
+    size_t done = 0;
+    while (done < n) {
+        ssize_t got = pread(fd, dst + done, n - done, (off_t)(offset + done));
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            return -1;
+        }
+        if (got == 0) break;
+        done += (size_t)got;
+    }
+    return (ssize_t)done;
+}
+
+/* Items [first, last) (adjacent in the file, each under GROUP bytes) by one preadv, finished
+ * item by item where it read short; returns -1 or the first item the file ended in. */
+static Py_ssize_t read_group(int fd, const uint64_t *at, const uint64_t *d, const uint64_t *n, Py_ssize_t first,
+                             Py_ssize_t last, int *err) {
+    struct iovec iov[IOVECS];
+    size_t total = 0;
+    for (Py_ssize_t i = first; i < last; i++) {
+        iov[i - first].iov_base = (void *)(uintptr_t)d[i];
+        iov[i - first].iov_len = (size_t)n[i];
+        total += (size_t)n[i];
+    }
+    ssize_t got;
+    do got = preadv(fd, iov, (int)(last - first), (off_t)at[first]); while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        *err = errno;
+        return -1;
+    }
+    if ((size_t)got == total) return -1;
+    size_t start = 0; /* of item i in the group */
+    for (Py_ssize_t i = first; i < last; start += (size_t)n[i], i++) {
+        if ((size_t)got >= start + n[i]) continue;
+        size_t have = (size_t)got > start ? (size_t)got - start : 0;
+        ssize_t more = read_fully(fd, (uint8_t *)(uintptr_t)d[i] + have, (size_t)n[i] - have, at[i] + have, err);
+        if (more < 0) return -1;
+        if ((size_t)more < (size_t)n[i] - have) return i;
+    }
+    return -1;
+}
+
+/* One large item read CHUNK bytes at a time, each chunk checksummed after its read; returns
+ * 0, 1 (the file ended in it) or -1 (errno in *err). */
+__attribute__((target("sse4.2")))
+static int read_large(int fd, uint64_t at, uint8_t *dst, size_t n, uint32_t *crc_out, int *err) {
+    uint32_t crc = 0xFFFFFFFFu;
+    for (size_t done = 0; done < n;) {
+        size_t want = n - done < (size_t)CHUNK ? n - done : (size_t)CHUNK;
+        ssize_t got = read_fully(fd, dst + done, want, at + done, err);
+        if (got < 0) return -1;
+        if ((size_t)got < want) return 1;
+        size_t k = 0;
+        for (; want - k >= 3 * (size_t)BLOCK; k += 3 * (size_t)BLOCK)
+            crc = block(dst + done + k, dst + done + k, crc, 0, 0);
+        if (k < want) crc = chain(dst + done + k, dst + done + k, want - k, crc, 0, 0); /* the last chunk */
+        done += want;
+    }
+    *crc_out = ~crc;
+    return 0;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* writev every byte of iov[0..count) (advanced in place past a short write); 0 or errno. */
+static int write_fully(int fd, struct iovec *iov, int count) {
+    while (count > 0) {
+        ssize_t put = writev(fd, iov, count > IOVECS ? IOVECS : count);
+        if (put < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        while (count > 0 && (size_t)put >= iov->iov_len) {
+            put -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + put;
+            iov->iov_len -= (size_t)put;
+        }
+    }
+    return 0;
+}
+
+/* A save's items written in order (write() below): adjacent items under GROUP bytes checksummed
+ * together and written by one writev of up to GROUP bytes; a larger item CHUNK bytes at a time,
+ * each chunk checksummed, then written while in the cache. Returns 0 or errno; *hash_s: the
+ * seconds spent checksumming. */
+__attribute__((target("sse4.2")))
+static int write_all(int fd, const Py_buffer *views, Py_ssize_t count, uint32_t *o, double *hash_s) {
+    static const uint64_t none[IOVECS];
+    uint64_t d[IOVECS], n[IOVECS];
+    struct iovec iov[IOVECS];
+    for (Py_ssize_t i = 0; i < count;) {
+        const uint8_t *at = views[i].buf;
+        size_t size = (size_t)views[i].len;
+        if (size >= GROUP) {
+            uint32_t crc = 0xFFFFFFFFu;
+            for (size_t done = 0; done < size;) {
+                size_t want = size - done < (size_t)CHUNK ? size - done : (size_t)CHUNK, k = 0;
+                uint8_t *part = (uint8_t *)at + done; /* read only: checksums store nothing */
+                double start = now();
+                for (; want - k >= 3 * (size_t)BLOCK; k += 3 * (size_t)BLOCK) crc = block(part + k, part + k, crc, 0, 0);
+                if (k < want) crc = chain(part + k, part + k, want - k, crc, 0, 0);
+                *hash_s += now() - start;
+                struct iovec one = {part, want};
+                int err = write_fully(fd, &one, 1);
+                if (err) return err;
+                done += want;
+            }
+            o[i++] = ~crc;
+            continue;
+        }
+        Py_ssize_t last = i;
+        size_t bytes = 0;
+        while (last < count && last - i < IOVECS && (size_t)views[last].len < GROUP
+               && (last == i || bytes + (size_t)views[last].len <= GROUP)) {
+            d[last - i] = (uint64_t)(uintptr_t)views[last].buf;
+            n[last - i] = (uint64_t)views[last].len;
+            iov[last - i].iov_base = views[last].buf;
+            iov[last - i].iov_len = (size_t)views[last].len;
+            bytes += (size_t)views[last++].len;
+        }
+        double start = now();
+        copy_all(d, none, n, o + i, last - i, ULLONG_MAX); /* no sources: the items' own bytes, read only */
+        *hash_s += now() - start;
+        int err = write_fully(fd, iov, (int)(last - i));
+        if (err) return err;
+        i = last;
+    }
+    return 0;
+}
+
+static Py_ssize_t read_all(int fd, const uint64_t *at, const uint64_t *d, const uint64_t *n, uint32_t *o,
+                           Py_ssize_t count, int *err) {
+    static const uint64_t none[IOVECS]; /* no sources: copy_all checksums the destinations */
+    for (Py_ssize_t i = 0; i < count;) {
+        if (n[i] >= GROUP) {
+            int ended = read_large(fd, at[i], (uint8_t *)(uintptr_t)d[i], (size_t)n[i], &o[i], err);
+            if (ended) return ended < 0 ? -1 : i;
+            i++;
+            continue;
+        }
+        Py_ssize_t last = i + 1;
+        uint64_t bytes = n[i];
+        while (last < count && last - i < IOVECS && n[last] < GROUP && at[last] == at[last - 1] + n[last - 1]
+               && bytes + n[last] <= GROUP)
+            bytes += n[last++];
+        Py_ssize_t ended = read_group(fd, at, d, n, i, last, err);
+        if (*err) return -1;
+        if (ended >= 0) { /* what was read before the item the file ended in is checksummed */
+            copy_all(d + i, none, n + i, o + i, ended - i, ULLONG_MAX);
+            return ended;
+        }
+        copy_all(d + i, none, n + i, o + i, last - i, ULLONG_MAX);
+        i = last;
+    }
+    return -1;
+}
 #endif
 
 static PyObject *py_copy(PyObject *self, PyObject *args) {
@@ -306,6 +507,92 @@ done:
     return result;
 }
 
+static PyObject *py_read(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer offsets, dsts, sizes, out;
+    if (!cpu_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "_crc32c_copy.read: this CPU has no SSE4.2 CRC32C (check supported())");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "iy*y*y*w*:read", &fd, &offsets, &dsts, &sizes, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = out.len / 4, ended = -1;
+    int err = 0;
+    if (out.len % 4 || offsets.len != count * 8 || dsts.len != count * 8 || sizes.len != count * 8) {
+        PyErr_Format(PyExc_ValueError, "_crc32c_copy.read: offsets, dsts and sizes need 8 bytes per item and out 4 "
+                     "(got %zd, %zd, %zd and %zd bytes)", offsets.len, dsts.len, sizes.len, out.len);
+        goto done;
+    }
+#if HAVE_KERNEL
+    {
+        const uint64_t *at = offsets.buf, *d = dsts.buf, *n = sizes.buf;
+        uint32_t *o = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        ended = read_all(fd, at, d, n, o, count, &err);
+        Py_END_ALLOW_THREADS
+    }
+#endif
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = PyLong_FromSsize_t(ended);
+done:
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&dsts);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_write(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *items;
+    Py_buffer out;
+    if (!cpu_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "_crc32c_copy.write: this CPU has no SSE4.2 CRC32C (check supported())");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "iO!w*:write", &fd, &PyList_Type, &items, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = PyList_GET_SIZE(items), held = 0;
+    Py_buffer *views = NULL;
+    if (out.len != count * 4) {
+        PyErr_Format(PyExc_ValueError, "_crc32c_copy.write: out needs 4 bytes per item (got %zd bytes for %zd items)",
+                     out.len, count);
+        goto done;
+    }
+    views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) /* every buffer held (its object alive, C-contiguous) while the GIL is released */
+        if (PyObject_GetBuffer(PyList_GET_ITEM(items, held), &views[held], PyBUF_SIMPLE) < 0) goto done;
+    int err = 0;
+    double hash_s = 0.0;
+#if HAVE_KERNEL
+    {
+        uint32_t *o = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        err = write_all(fd, views, count, o, &hash_s);
+        Py_END_ALLOW_THREADS
+    }
+#endif
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = PyFloat_FromDouble(hash_s);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *py_supported(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(cpu_ok);
 }
@@ -318,6 +605,11 @@ static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS, "copy(dsts, srcs, sizes, out): copy each item and write its CRC32C (see the module source)."},
     {"addresses", py_addresses, METH_VARARGS,
      "addresses(data_ptr, tensor_type, values, index, out): each tensor's data_ptr() (see the module source)."},
+    {"read", py_read, METH_VARARGS,
+     "read(fd, offsets, dsts, sizes, out): read each item into its destination and write its CRC32C (see the "
+     "module source)."},
+    {"write", py_write, METH_VARARGS,
+     "write(fd, items, out): write each item's bytes and its CRC32C (see the module source)."},
     {"supported", py_supported, METH_NOARGS, "Whether this CPU runs copy()."},
     {"stream_min", py_stream_min, METH_NOARGS, "Bytes from which a copy() call streams its stores past the caches."},
     {NULL, NULL, 0, NULL},

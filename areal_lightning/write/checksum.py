@@ -32,11 +32,19 @@ import crc32c as _crc32c
 from areal_lightning.errors import CheckpointCorruptError
 
 __all__ = ["ALGORITHM", "ITEM_CHECKSUM", "HashingStream", "ChecksumLog", "Written", "crc32c", "file_checksum", "file_crc32c",
-           "item_checksum", "truncated", "read_item", "check_item", "manifest_of", "data_files",
-           "with_metadata"]
+           "item_checksum", "truncated", "read_item", "check_item", "mismatch", "manifest_of", "data_files",
+           "with_metadata", "KERNEL"]
 
 ALGORITHM = "crc32c"
 """The checksum of every file and item this package records (name used in manifests)."""
+
+try:
+    from areal_lightning.write import _crc32c_copy as KERNEL
+except ImportError:  # an optional extension: not built without a C compiler
+    KERNEL = None
+"""The compiled one-pass extension (``write/_crc32c_copy.c``): the memory tier's copy with each
+item's CRC32C (:mod:`~areal_lightning.write.slot`) and a local load's read with it
+(:mod:`~areal_lightning.write.dcp_reader`); ``None`` where it was not built."""
 
 ITEM_CHECKSUM = "areal_crc32c"
 """Attribute of DCP's ``_StorageInfo`` holding the item's CRC32C (pickled into ``.metadata``)."""
@@ -228,7 +236,12 @@ def check_item(data: Any, path: Path, info: Any, key: str) -> bool:
     if want is None:
         return False
     if crc32c(data) != want:
-        raise CheckpointCorruptError(
-            f"{path} fails its CRC32C check in '{key}' (bytes {info.offset}..{info.offset + info.length}): the file "
-            "was altered after it was written; the checkpoint is damaged: restore the file, or delete the checkpoint")
+        raise mismatch(path, info, key)
     return True
+
+
+def mismatch(path: Any, info: Any, key: str) -> CheckpointCorruptError:
+    """The error for the item ``info`` (the tensor ``key``) of ``path`` whose bytes fail their recorded CRC32C."""
+    return CheckpointCorruptError(
+        f"{path} fails its CRC32C check in '{key}' (bytes {info.offset}..{info.offset + info.length}): the file "
+        "was altered after it was written; the checkpoint is damaged: restore the file, or delete the checkpoint")

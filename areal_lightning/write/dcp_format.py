@@ -10,10 +10,13 @@ flattening loses. :func:`flatten` makes the flat dict, :func:`unflatten` rebuild
 
 from __future__ import annotations
 
+import codecs
 import copy
+import io
 import pickle
 import warnings
-from collections import OrderedDict
+import zipfile
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import repeat
@@ -26,7 +29,7 @@ import torch
 # message is silenced (nothing else is).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "UNNAMED", "SlotUnpickler", "slot_globals", "flatten", "unflatten", "flat_tensors",
+__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "UNNAMED", "SlotUnpickler", "PlainUnpickler", "NOT_PLAIN", "load_plain", "slot_globals", "flatten", "unflatten", "flat_tensors",
            "Refusal", "weights_only_refusal"]
 
 SKELETON_KEY = "__areal_lightning_skeleton__"
@@ -51,6 +54,63 @@ SLOT_NAMES = ("areal_lightning.write.dcp_format.TensorSlot", "areal_lightning.en
 """Every name :class:`TensorSlot` has been pickled under, this release's first: 0.1.0 wrote
 ``areal_lightning.engine._TensorSlot``. Loads accept them all (:func:`slot_globals`,
 :class:`SlotUnpickler`); a rename of the class or its module must add the new name here."""
+
+
+_PLAIN: dict[str, Any] = {**dict.fromkeys(SLOT_NAMES, TensorSlot), "collections.OrderedDict": OrderedDict,
+                          "collections.Counter": Counter, "builtins.set": set, "builtins.complex": complex,
+                          "builtins.bytearray": bytearray,
+                          f"{codecs.encode.__module__}.{codecs.encode.__name__}": codecs.encode}
+"""The globals :class:`PlainUnpickler` finds: the slot, and the builtins and ``collections``
+types that torch's weights-only unpickler allows as well (protocol 2 pickles a set, a ``bytes``
+and a ``bytearray`` through them)."""
+
+
+class _NotPlain(Exception):
+    """A global or a persistent id :class:`PlainUnpickler` does not take."""
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Python's compiled unpickler finding only :class:`TensorSlot` (under every name) and the
+    few plain types ``torch.load(weights_only=True)`` itself allows (:data:`_PLAIN`); any other
+    global, a persistent id (a storage), or anything else it cannot take raises, and
+    :func:`load_plain` says "not plain" (the caller then loads with ``torch.load``). Without a
+    global, a pickle makes only builtin values (``None``, numbers, strings, bytes, lists, tuples,
+    dicts, sets); every object it makes otherwise is of a type found here."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol 2 (torch.save's) names builtins as Python 2 did, as torch maps them
+            module = "builtins"
+        found = _PLAIN.get(f"{module}.{name}")
+        if found is None:
+            raise _NotPlain(f"{module}.{name}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NotPlain("a persistent id")
+
+
+NOT_PLAIN = object()
+"""What :func:`load_plain` returns for bytes it leaves to ``torch.load``."""
+
+
+def load_plain(data: bytes) -> Any:
+    """The object ``torch.save`` wrote into ``data`` (a zip archive of one pickle, ``data.pkl``)
+    when it is made of builtin values, :class:`TensorSlot` and the plain types of
+    :class:`PlainUnpickler` only (a checkpoint's skeleton usually is), read by Python's compiled
+    unpickler; else :data:`NOT_PLAIN` (a tensor, any other type, damaged bytes: the caller loads
+    it with ``torch.load(weights_only=True)``, which refuses or raises as it does).
+
+    Every global it finds is one ``weights_only=True`` allows too, so it loads nothing that
+    would be refused; it exists for speed: torch's weights-only unpickler is Python, about 6 µs
+    per entry of a dict (2,000 tensors' skeleton: 12 ms against 1 ms)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = [name for name in archive.namelist() if name.endswith("/data.pkl") and name.count("/") == 1]
+            if len(names) != 1:
+                return NOT_PLAIN
+            return PlainUnpickler(io.BytesIO(archive.read(names[0]))).load()
+    except Exception:  # noqa: BLE001 - any doubt: torch.load decides, with its own errors
+        return NOT_PLAIN
 
 
 def slot_globals() -> list[tuple[type, str]]:

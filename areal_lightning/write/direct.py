@@ -18,7 +18,8 @@ stores) goes through DCP.
   the checksums and the skeleton's length change; from its second save into the same folder
   (the memory tier's slots) its pickle too (:class:`PickledMetadata`).
 * :func:`save` writes the files (one thread per file, each tensor's bytes CRC32C'd as they
-  are written), fsyncs them, then ``.metadata`` (tmp file, fsync, rename) and the
+  are written: by the compiled extension where built, :data:`ONE_PASS_WRITE`, each part
+  checksummed right before its write, adjacent small tensors by one ``writev``), fsyncs them, then ``.metadata`` (tmp file, fsync, rename) and the
   directory, with the engine's fault points, and records what it wrote
   (:class:`~areal_lightning.write.checksum.Written`, with the manifest). The bytes come from
   the live tensors (sync saves), from host buffers made once per layout (async saves), or,
@@ -61,8 +62,8 @@ from areal_lightning._torch_internals import DATA_SUFFIX, has_storage, storage_i
 from areal_lightning.errors import UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to
-from areal_lightning.write.checksum import (ITEM_CHECKSUM, HashingStream, Written, crc32c, data_files, manifest_of,
-                                            with_metadata)
+from areal_lightning.write.checksum import (ITEM_CHECKSUM, KERNEL, HashingStream, Written, crc32c, data_files,
+                                            manifest_of, with_metadata)
 from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, shows_its_bytes, tensor_bytes
@@ -173,15 +174,17 @@ class ByteLayout:
         entries: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         # tensors largest first, each to the file with the fewest bytes so far (as DCP splits
-        # them); the small ones all to one file: their cost is per item, in Python, and
-        # writer (or reader) threads sharing it only contend for the GIL (measured)
+        # them); without the one-pass writer (ONE_PASS_WRITE) the small ones all to one file:
+        # their cost is then per item, in Python, and writer (or reader) threads sharing it only
+        # contend for the GIL (measured); the extension writes a file's items with the GIL
+        # released, and 2,000 tensors of 32 KB split over 2 files saved in 0.041 s against 0.054 s
         order = sorted(range(len(key)), key=lambda i: key[i][1].numel() * key[i][2].itemsize, reverse=True)
         placed: dict[int, tuple[int, int, int]] = {}
         small: int | None = None
         for i in order:
             _, shape, dtype, _, _ = key[i]
             nbytes = shape.numel() * dtype.itemsize
-            if nbytes < SMALL and small is None:
+            if nbytes < SMALL and small is None and not ONE_PASS_WRITE:
                 small = ends.index(min(ends))
             index = small if small is not None else ends.index(min(ends))
             placed[i] = (index, ends[index], nbytes)
@@ -249,6 +252,41 @@ def tensors_of(flat: Mapping[str, Any]) -> Callable[[Any], Any]:
     return source
 
 
+ONE_PASS_WRITE = KERNEL is not None and KERNEL.supported() and hasattr(KERNEL, "write")
+"""Whether :func:`save` writes a file's items by calls of the compiled extension, each part
+checksummed right before its write while in the cache, the GIL released (else a write then a
+``crc32c`` per item, in Python)."""
+
+_BATCH = 64 << 20
+"""Bytes of items whose sources :func:`_write_batches` holds at once (a source may be a copy:
+a GPU tensor's on the CPU)."""
+
+
+def _write_batches(fd: int, items: list[Any], source: Callable[[Any], Any], skeleton: bytes | None,
+                   layout: ByteLayout) -> tuple[float, int]:
+    """:func:`save`'s items of one file (and the ``skeleton`` last, where given) written to ``fd``
+    in order by calls of the extension's ``write``, each call up to :data:`_BATCH` bytes of
+    sources; each item's CRC32C put on its record. Returns the seconds spent checksumming and
+    the bytes written."""
+    hash_s, pos, batch, records, size = 0.0, 0, [], [], 0
+    entries: list[tuple[Any, Any]] = [(item, None) for item in items]
+    if skeleton is not None:
+        entries.append((None, skeleton))
+    for at, (item, data) in enumerate(entries):
+        data = source(item) if item is not None else data
+        batch.append(data)
+        records.append(item.info if item is not None else layout.skeleton)
+        size += len(data) if item is None else item.nbytes
+        if size >= _BATCH or at == len(entries) - 1:
+            out = array("I", bytes(4 * len(batch)))
+            hash_s += KERNEL.write(fd, batch, out)
+            for record, value in zip(records, out):
+                setattr(record, ITEM_CHECKSUM, value)
+            pos += size
+            batch, records, size = [], [], 0
+    return hash_s, pos
+
+
 def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: ByteLayout, written: Written, *,
          device: Any = None) -> None:
     """Write every tensor of ``layout`` (its bytes: ``source(item)``, e.g. :func:`tensors_of`)
@@ -266,17 +304,20 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
         if not items and index != 0:
             return pos, hash_s  # no tensor placed here (empty tensors): no file
         with open(path / name, "wb", buffering=_BUFFER) as file:
-            for item in items:
-                data = source(item)
-                file.write(data)
-                start = time.perf_counter()
-                setattr(item.info, ITEM_CHECKSUM, crc32c(data))
-                hash_s += time.perf_counter() - start
-                pos += item.nbytes
-            if index == 0:
-                file.write(skeleton)
-                setattr(layout.skeleton, ITEM_CHECKSUM, crc32c(skeleton))
-                pos += len(skeleton)
+            if ONE_PASS_WRITE:
+                hash_s, pos = _write_batches(file.fileno(), items, source, skeleton if index == 0 else None, layout)
+            else:
+                for item in items:
+                    data = source(item)
+                    file.write(data)
+                    start = time.perf_counter()
+                    setattr(item.info, ITEM_CHECKSUM, crc32c(data))
+                    hash_s += time.perf_counter() - start
+                    pos += item.nbytes
+                if index == 0:
+                    file.write(skeleton)
+                    setattr(layout.skeleton, ITEM_CHECKSUM, crc32c(skeleton))
+                    pos += len(skeleton)
             file.flush()
             os.fsync(file.fileno())
         if faults:

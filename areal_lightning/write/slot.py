@@ -50,14 +50,9 @@ from areal_lightning._fault import fault_point
 from areal_lightning._torch_internals import DATA_PTR_FUNCTION, DATA_SUFFIX, copy_tensors
 from areal_lightning.errors import CheckpointWriteError
 from areal_lightning.stage.host import register_host, unregister_host
-from areal_lightning.write.checksum import ITEM_CHECKSUM, Written, crc32c
+from areal_lightning.write.checksum import ITEM_CHECKSUM, KERNEL as _crc32c_copy, Written, crc32c
 from areal_lightning.write.direct import ByteLayout, write_metadata
 from areal_lightning.write.raw import tensor_bytes
-
-try:
-    from areal_lightning.write import _crc32c_copy
-except ImportError:  # an optional extension: not built without a C compiler
-    _crc32c_copy = None
 
 __all__ = ["SlotFile", "PendingCopy", "DATA_FILE", "COPY_THREADS", "FUSED"]
 
