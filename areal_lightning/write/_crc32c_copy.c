@@ -429,21 +429,33 @@ static Py_ssize_t read_all(int fd, const uint64_t *at, const uint64_t *d, const 
 }
 #endif
 
+/* Whether this CPU runs the kernel; else RuntimeError naming the function `name`. */
+static int kernel_ready(const char *name) {
+    if (!cpu_ok) PyErr_Format(PyExc_RuntimeError, "_crc32c_copy.%s: this CPU has no SSE4.2 CRC32C (check supported())", name);
+    return cpu_ok;
+}
+
+/* The item count of three uint64 buffers and a uint32 one of one entry per item; else -1 and
+ * ValueError naming the function and the buffers (`names`). */
+static Py_ssize_t items_of(const char *name, const char *names, const Py_buffer *a, const Py_buffer *b,
+                           const Py_buffer *c, const Py_buffer *out) {
+    Py_ssize_t count = out->len / 4;
+    if (out->len % 4 || a->len != count * 8 || b->len != count * 8 || c->len != count * 8) {
+        PyErr_Format(PyExc_ValueError, "_crc32c_copy.%s: %s need 8 bytes per item and out 4 (got %zd, %zd, %zd and %zd "
+                     "bytes)", name, names, a->len, b->len, c->len, out->len);
+        return -1;
+    }
+    return count;
+}
+
 static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_buffer dsts, srcs, sizes, out;
     unsigned long long streaming_from = stream_min;
-    if (!cpu_ok) {
-        PyErr_SetString(PyExc_RuntimeError, "_crc32c_copy.copy: this CPU has no SSE4.2 CRC32C (check supported())");
-        return NULL;
-    }
+    if (!kernel_ready("copy")) return NULL;
     if (!PyArg_ParseTuple(args, "y*y*y*w*|K:copy", &dsts, &srcs, &sizes, &out, &streaming_from)) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t count = out.len / 4;
-    if (out.len % 4 || dsts.len != count * 8 || srcs.len != count * 8 || sizes.len != count * 8) {
-        PyErr_Format(PyExc_ValueError, "_crc32c_copy.copy: dsts, srcs and sizes need 8 bytes per item and out 4 "
-                     "(got %zd, %zd, %zd and %zd bytes)", dsts.len, srcs.len, sizes.len, out.len);
-        goto done;
-    }
+    Py_ssize_t count = items_of("copy", "dsts, srcs and sizes", &dsts, &srcs, &sizes, &out);
+    if (count < 0) goto done;
 #if HAVE_KERNEL
     {
         const uint64_t *d = dsts.buf, *s = srcs.buf, *n = sizes.buf;
@@ -510,19 +522,12 @@ done:
 static PyObject *py_read(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer offsets, dsts, sizes, out;
-    if (!cpu_ok) {
-        PyErr_SetString(PyExc_RuntimeError, "_crc32c_copy.read: this CPU has no SSE4.2 CRC32C (check supported())");
-        return NULL;
-    }
+    if (!kernel_ready("read")) return NULL;
     if (!PyArg_ParseTuple(args, "iy*y*y*w*:read", &fd, &offsets, &dsts, &sizes, &out)) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t count = out.len / 4, ended = -1;
+    Py_ssize_t count = items_of("read", "offsets, dsts and sizes", &offsets, &dsts, &sizes, &out), ended = -1;
     int err = 0;
-    if (out.len % 4 || offsets.len != count * 8 || dsts.len != count * 8 || sizes.len != count * 8) {
-        PyErr_Format(PyExc_ValueError, "_crc32c_copy.read: offsets, dsts and sizes need 8 bytes per item and out 4 "
-                     "(got %zd, %zd, %zd and %zd bytes)", offsets.len, dsts.len, sizes.len, out.len);
-        goto done;
-    }
+    if (count < 0) goto done;
 #if HAVE_KERNEL
     {
         const uint64_t *at = offsets.buf, *d = dsts.buf, *n = sizes.buf;
@@ -550,10 +555,7 @@ static PyObject *py_write(PyObject *self, PyObject *args) {
     int fd;
     PyObject *items;
     Py_buffer out;
-    if (!cpu_ok) {
-        PyErr_SetString(PyExc_RuntimeError, "_crc32c_copy.write: this CPU has no SSE4.2 CRC32C (check supported())");
-        return NULL;
-    }
+    if (!kernel_ready("write")) return NULL;
     if (!PyArg_ParseTuple(args, "iO!w*:write", &fd, &PyList_Type, &items, &out)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t count = PyList_GET_SIZE(items), held = 0;
