@@ -159,8 +159,17 @@ def test_whole_reads_needs_one_whole_chunk_into_a_matching_cpu_tensor(tmp_path: 
     engine.save({"w": torch.ones(4, 2)}, tmp_path / "c")
     md = FileSystemReader(tmp_path / "c").read_metadata()
     assert direct.whole_reads(md, {"w": torch.empty(4, 2), SKELETON_KEY: None}) is not None
-    for dest in (torch.empty(8), torch.empty(4, 2, dtype=torch.float64), torch.empty(2, 4).t(), None):
+    for dest in (torch.empty(8), torch.empty(4, 2, dtype=torch.float64), torch.empty(2, 4).t(), None,
+                 torch.nn.Parameter(torch.empty(4, 2)), torch.empty(4, 2, device="meta"), torch.empty(4, 2).numpy()):
         assert direct.whole_reads(md, {"w": dest, SKELETON_KEY: None}) is None, dest
+    engine.save({"z": torch.randn(3, dtype=torch.complex64), "n": torch.ones(1)}, tmp_path / "z")
+    md = FileSystemReader(tmp_path / "z").read_metadata()
+    negated = torch.zeros(1, dtype=torch.complex64).conj().imag  # a lazily negated real view (contiguous: 1 element)
+    assert negated.is_neg() and negated.is_contiguous()
+    z, n = torch.empty(3, dtype=torch.complex64), torch.empty(1)
+    assert direct.whole_reads(md, {"z": z, "n": n, SKELETON_KEY: None}) is not None
+    assert direct.whole_reads(md, {"z": z.conj(), "n": n, SKELETON_KEY: None}) is None
+    assert direct.whole_reads(md, {"z": z, "n": negated, SKELETON_KEY: None}) is None
     engine.close()
 
 

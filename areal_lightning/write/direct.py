@@ -66,7 +66,7 @@ from areal_lightning.write.checksum import (ITEM_CHECKSUM, KERNEL, HashingStream
                                             manifest_of, with_metadata)
 from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.durable import fsync_dir
-from areal_lightning.write.raw import RAW_DESCRIPTOR, is_plain, is_raw, shows_its_bytes, tensor_bytes
+from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, tensor_bytes
 
 __all__ = ["ByteLayout", "signature", "Signatures", "tensors_of", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
 
@@ -496,12 +496,14 @@ def whole_reads(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, list[t
     ``dest`` the tensor of ``flat`` to fill (``None`` for the skeleton); ``None`` when some
     tensor is saved in chunks, stored otherwise than raw, or its destination is not a
     contiguous CPU tensor of its shape and dtype."""
-    infos: dict[str, Any] = {}
-    for index, info in metadata.storage_data.items():
-        if index.fqn in infos:
-            return None  # several chunks of one tensor
-        infos[index.fqn] = info
+    storage = metadata.storage_data
+    infos = {index.fqn: info for index, info in storage.items()}
+    if len(infos) != len(storage):
+        return None  # several chunks of one tensor
     per_file: dict[str, list[tuple[Any, str, Any]]] = {}
+    # per tensor of every load: no call that is not needed (shows_its_bytes inlined: only a
+    # complex tensor has a conjugate bit; is_raw called only for descriptors that are not raw)
+    tensor_type, complex_or_quantized, raw = torch.Tensor, _CHECKED, [RAW_DESCRIPTOR]
     for fqn, md in metadata.state_dict_metadata.items():
         info = infos.get(fqn)
         if info is None:
@@ -512,10 +514,13 @@ def whole_reads(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, list[t
             dest = None
         else:
             dest = flat.get(fqn)
-            if len(md.chunks) != 1 or md.chunks[0].sizes != md.size or any(md.chunks[0].offsets) \
-                    or not is_raw(info.transform_descriptors) or not isinstance(dest, torch.Tensor) \
-                    or type(dest) is not torch.Tensor or not dest.is_cpu or dest.dtype != md.properties.dtype \
-                    or dest.shape != md.size or not dest.is_contiguous() or not shows_its_bytes(dest):
+            if type(dest) is not tensor_type or len(md.chunks) != 1:
+                return None
+            chunk, size, dtype = md.chunks[0], md.size, dest.dtype
+            descriptors = info.transform_descriptors
+            if (descriptors != raw and not is_raw(descriptors)) or dtype != md.properties.dtype \
+                    or chunk.sizes != size or any(chunk.offsets) or not dest.is_cpu or dest.shape != size \
+                    or not dest.is_contiguous() or dest.is_neg() or (dtype in complex_or_quantized and dest.is_conj()):
                 return None
         per_file.setdefault(info.relative_path, []).append((info, fqn, dest))
     return per_file
