@@ -54,9 +54,10 @@
  *                                 buffer; reads sizes[i] bytes of the file fd at offsets[i]
  *                                 into dsts[i] and writes their CRC32C to out[i], each part
  *                                 checksummed right after it was read, while in the cache.
- *                                 Returns -1, or the first i the file ended in (out[j] for
- *                                 j < i filled); raises OSError for a failed read. Releases
- *                                 the GIL. The caller guarantees the addresses.
+ *                                 Returns (-1, or the first i the file ended in (out[j] for
+ *                                 j < i filled), the seconds spent checksumming); raises
+ *                                 OSError for a failed read. Releases the GIL. The caller
+ *                                 guarantees the addresses.
  *   write(fd, items, out)         items: a list of objects with a contiguous buffer (memoryview,
  *                                 bytes), out: writable uint32 buffer; writes each item's bytes
  *                                 to the file fd at its position, in order, and their CRC32C to
@@ -260,6 +261,13 @@ static void copy_all(const uint64_t *d, const uint64_t *s, const uint64_t *n, ui
 #define IOVECS 256
 #define CHUNK (2 * 3 * BLOCK)
 
+/* Seconds on a monotonic clock (the checksums' share of a read or write, for telemetry). */
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 /* pread until n bytes or the end of the file; returns the bytes read, -1 (errno in *err). */
 static ssize_t read_fully(int fd, uint8_t *dst, size_t n, uint64_t offset, int *err) {
     size_t done = 0;
@@ -308,7 +316,7 @@ static Py_ssize_t read_group(int fd, const uint64_t *at, const uint64_t *d, cons
 /* One large item read CHUNK bytes at a time, each chunk checksummed after its read; returns
  * 0, 1 (the file ended in it) or -1 (errno in *err). */
 __attribute__((target("sse4.2")))
-static int read_large(int fd, uint64_t at, uint8_t *dst, size_t n, uint32_t *crc_out, int *err) {
+static int read_large(int fd, uint64_t at, uint8_t *dst, size_t n, uint32_t *crc_out, int *err, double *hash_s) {
     uint32_t crc = 0xFFFFFFFFu;
     for (size_t done = 0; done < n;) {
         size_t want = n - done < (size_t)CHUNK ? n - done : (size_t)CHUNK;
@@ -316,19 +324,15 @@ static int read_large(int fd, uint64_t at, uint8_t *dst, size_t n, uint32_t *crc
         if (got < 0) return -1;
         if ((size_t)got < want) return 1;
         size_t k = 0;
+        double start = now();
         for (; want - k >= 3 * (size_t)BLOCK; k += 3 * (size_t)BLOCK)
             crc = block(dst + done + k, dst + done + k, crc, 0, 0);
         if (k < want) crc = chain(dst + done + k, dst + done + k, want - k, crc, 0, 0); /* the last chunk */
+        *hash_s += now() - start;
         done += want;
     }
     *crc_out = ~crc;
     return 0;
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 /* writev every byte of iov[0..count) (advanced in place past a short write); 0 or errno. */
@@ -402,11 +406,11 @@ static int write_all(int fd, const Py_buffer *views, Py_ssize_t count, uint32_t 
 }
 
 static Py_ssize_t read_all(int fd, const uint64_t *at, const uint64_t *d, const uint64_t *n, uint32_t *o,
-                           Py_ssize_t count, int *err) {
+                           Py_ssize_t count, int *err, double *hash_s) {
     static const uint64_t none[IOVECS]; /* no sources: copy_all checksums the destinations */
     for (Py_ssize_t i = 0; i < count;) {
         if (n[i] >= GROUP) {
-            int ended = read_large(fd, at[i], (uint8_t *)(uintptr_t)d[i], (size_t)n[i], &o[i], err);
+            int ended = read_large(fd, at[i], (uint8_t *)(uintptr_t)d[i], (size_t)n[i], &o[i], err, hash_s);
             if (ended) return ended < 0 ? -1 : i;
             i++;
             continue;
@@ -418,11 +422,11 @@ static Py_ssize_t read_all(int fd, const uint64_t *at, const uint64_t *d, const 
             bytes += n[last++];
         Py_ssize_t ended = read_group(fd, at, d, n, i, last, err);
         if (*err) return -1;
-        if (ended >= 0) { /* what was read before the item the file ended in is checksummed */
-            copy_all(d + i, none, n + i, o + i, ended - i, ULLONG_MAX);
-            return ended;
-        }
-        copy_all(d + i, none, n + i, o + i, last - i, ULLONG_MAX);
+        Py_ssize_t upto = ended >= 0 ? ended : last; /* before the item the file ended in: read */
+        double start = now();
+        copy_all(d + i, none, n + i, o + i, upto - i, ULLONG_MAX);
+        *hash_s += now() - start;
+        if (ended >= 0) return ended;
         i = last;
     }
     return -1;
@@ -527,13 +531,14 @@ static PyObject *py_read(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t count = items_of("read", "offsets, dsts and sizes", &offsets, &dsts, &sizes, &out), ended = -1;
     int err = 0;
+    double hash_s = 0.0;
     if (count < 0) goto done;
 #if HAVE_KERNEL
     {
         const uint64_t *at = offsets.buf, *d = dsts.buf, *n = sizes.buf;
         uint32_t *o = out.buf;
         Py_BEGIN_ALLOW_THREADS
-        ended = read_all(fd, at, d, n, o, count, &err);
+        ended = read_all(fd, at, d, n, o, count, &err, &hash_s);
         Py_END_ALLOW_THREADS
     }
 #endif
@@ -542,7 +547,7 @@ static PyObject *py_read(PyObject *self, PyObject *args) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    result = PyLong_FromSsize_t(ended);
+    result = Py_BuildValue("nd", ended, hash_s);
 done:
     PyBuffer_Release(&offsets);
     PyBuffer_Release(&dsts);

@@ -150,8 +150,7 @@ def _narrowed(tensor: torch.Tensor, item: ReadItem) -> torch.Tensor:
 @dataclass
 class Read:
     """What one rank read in a load: ``nbytes`` of checkpoint items, ``verified`` of them
-    against their recorded CRC32C, in ``verify_s`` seconds of hashing (where the extension
-    reads and checksums a file's part in one pass, :data:`ONE_PASS_READ`, that pass's time)."""
+    against their recorded CRC32C, in ``verify_s`` seconds of hashing."""
 
     nbytes: int = 0
     verified: int = 0
@@ -333,8 +332,7 @@ class AdoptingReader(FileSystemReader):
         """:meth:`read_whole`'s tensors of one part of a local file (``fd``), in offset order,
         each of bytes: read into its destination with its CRC32C by one call of the one-pass
         extension (:data:`ONE_PASS_READ`), the GIL released; then each CRC32C compared with the
-        recorded one (unless the file is one of :attr:`checked_files`). ``stats.verify_s``
-        counts the call's time, reads included: they are one pass."""
+        recorded one (unless the file is one of :attr:`checked_files`)."""
         for info, key, dest in batch:
             if dest.nbytes != info.length:
                 raise CheckpointCorruptError(
@@ -347,9 +345,7 @@ class AdoptingReader(FileSystemReader):
         infos = [entry[0] for entry in batch]
         sizes = array("Q", [info.length for info in infos])
         out = array("I", bytes(4 * len(batch)))
-        start = time.perf_counter()
-        ended = KERNEL.read(fd, array("Q", [info.offset for info in infos]), addresses, sizes, out)
-        seconds = time.perf_counter() - start
+        ended, hash_s = KERNEL.read(fd, array("Q", [info.offset for info in infos]), addresses, sizes, out)
         if ended >= 0:
             info, key, _ = batch[ended]
             raise truncated(path, key, info.offset, info.length, os.fstat(fd).st_size)
@@ -364,7 +360,7 @@ class AdoptingReader(FileSystemReader):
                     raise mismatch(path, info, batch[i][1])
                 verified += 1
         stats.verified += verified
-        stats.verify_s += seconds
+        stats.verify_s += hash_s
 
     def _gather(self, jobs: Any, read_file: Callable[[str, list[Any]], Read]) -> None:
         """Run ``read_file`` for every ``(file, entries)`` of ``jobs`` (a list of pairs, or a dict),
