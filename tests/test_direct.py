@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.write import direct
 from areal_lightning.write.dcp import DCPEngine
@@ -162,6 +162,13 @@ def test_whole_reads_needs_one_whole_chunk_into_a_matching_cpu_tensor(tmp_path: 
     for dest in (torch.empty(8), torch.empty(4, 2, dtype=torch.float64), torch.empty(2, 4).t(), None,
                  torch.nn.Parameter(torch.empty(4, 2)), torch.empty(4, 2, device="meta"), torch.empty(4, 2).numpy()):
         assert direct.whole_reads(md, {"w": dest, SKELETON_KEY: None}) is None, dest
+    for size in (8, 0):  # a storage shrunk or freed under its tensor: a read would write past it
+        short = torch.empty(4, 2)
+        short.untyped_storage().resize_(size)
+        with pytest.raises(UsageError, match="'w' to load into holds fewer bytes than its shape needs"):
+            direct.whole_reads(md, {"w": short, SKELETON_KEY: None})
+        with pytest.raises(UsageError, match="'w' to load into holds fewer bytes"):  # not a damaged checkpoint
+            engine.load(tmp_path / "c", template={"w": short})
     engine.save({"z": torch.randn(3, dtype=torch.complex64), "n": torch.ones(1)}, tmp_path / "z")
     md = FileSystemReader(tmp_path / "z").read_metadata()
     negated = torch.zeros(1, dtype=torch.complex64).conj().imag  # a lazily negated real view (contiguous: 1 element)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import copyreg
 import io
 import pickle
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,22 @@ def _saved(obj) -> bytes:
     return buffer.getvalue()
 
 
+ran: list = []
+
+
+def _ran(value) -> None:
+    """Called by an unpickled extension code (see the plain-skeleton test)."""
+    ran.append(value)
+
+
+def _zipped(records: dict) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, value in records.items():
+            archive.writestr(name, value)
+    return buffer.getvalue()
+
+
 def _same(a, b) -> bool:
     """Equal, and of the same types all the way down (an OrderedDict's attributes too)."""
     if type(a) is not type(b):
@@ -181,6 +199,25 @@ def test_a_plain_skeleton_loads_by_the_compiled_unpickler_as_torch_load_would(tm
     assert not marker.exists()
     data = _saved({"a": 1})
     assert load_plain(data[: len(data) // 2]) is NOT_PLAIN and load_plain(b"not a zip") is NOT_PLAIN
+    # an archive torch's reader refuses: no version record, or records outside the first one's folder
+    pickled = pickle.dumps({"a": 1}, protocol=2)
+    for records in ({"archive/data.pkl": pickled}, {"a/version": b"3\n", "b/data.pkl": pickled},
+                    {"archive/version": b"3\n", "archive/data.pkl": pickled, "other/x": b""}):
+        assert load_plain(_zipped(records)) is NOT_PLAIN, records
+    assert load_plain(_zipped({"archive/version": b"3\n", "archive/data.pkl": pickled})) == {"a": 1}
+    # an extension code (copyreg) resolved from Python's cache, without find_class: not run
+    ran.clear()
+    code = 0x7A5E
+    evil = b"\x80\x02\x84" + code.to_bytes(4, "little") + b"X\x01\x00\x00\x00x\x85R."
+    copyreg.add_extension(__name__, "_ran", code)
+    try:
+        pickle.loads(evil)  # some code of the process used the extension once: it is cached now
+        assert ran == ["x"]
+        ran.clear()
+        assert load_plain(_zipped({"archive/version": b"3\n", "archive/data.pkl": evil})) is NOT_PLAIN
+        assert not ran
+    finally:
+        copyreg.remove_extension(__name__, "_ran", code)
     at = data.index(b"\x80\x02")  # data.pkl's start (stored, not compressed): a damaged opcode
     assert load_plain(data[:at + 2] + b"\xff" + data[at + 3:]) is NOT_PLAIN
     # in a load: a plain skeleton never reaches torch.load

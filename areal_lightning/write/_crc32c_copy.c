@@ -343,6 +343,7 @@ static int write_fully(int fd, struct iovec *iov, int count) {
             if (errno == EINTR) continue;
             return errno;
         }
+        if (put == 0) return EIO; /* nothing taken while bytes remain: never loop on it */
         while (count > 0 && (size_t)put >= iov->iov_len) {
             put -= (ssize_t)iov->iov_len;
             iov++;
@@ -563,7 +564,12 @@ static PyObject *py_write(PyObject *self, PyObject *args) {
     if (!kernel_ready("write")) return NULL;
     if (!PyArg_ParseTuple(args, "iO!w*:write", &fd, &PyList_Type, &items, &out)) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t count = PyList_GET_SIZE(items), held = 0;
+    items = PyList_AsTuple(items); /* a buffer export runs Python code that could change a list */
+    if (items == NULL) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(items), held = 0;
     Py_buffer *views = NULL;
     if (out.len != count * 4) {
         PyErr_Format(PyExc_ValueError, "_crc32c_copy.write: out needs 4 bytes per item (got %zd bytes for %zd items)",
@@ -576,7 +582,7 @@ static PyObject *py_write(PyObject *self, PyObject *args) {
         goto done;
     }
     for (; held < count; held++) /* every buffer held (its object alive, C-contiguous) while the GIL is released */
-        if (PyObject_GetBuffer(PyList_GET_ITEM(items, held), &views[held], PyBUF_SIMPLE) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(items, held), &views[held], PyBUF_SIMPLE) < 0) goto done;
     int err = 0;
     double hash_s = 0.0;
 #if HAVE_KERNEL
@@ -597,6 +603,7 @@ done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
     PyBuffer_Release(&out);
+    Py_DECREF(items);
     return result;
 }
 

@@ -105,7 +105,7 @@ from areal_lightning._torch_internals import (
     save_flat_state_dict,
 )
 from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
-from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, ConfigError, PathOccupiedError
+from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, ConfigError, PathOccupiedError, UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import filesystem, is_remote, strip
 from areal_lightning.stage.host import bind_thread_to, copy_into, cuda_device, pin_buffers
@@ -560,6 +560,8 @@ class DCPEngine:
                 # Always rank-local: every rank reads the shared directory into its own template
                 # (DCP reshards from the saved chunks), so loads need no collective.
                 load_flat_state_dict(flat, reader, planner)
+        except UsageError:
+            raise  # the caller's template, not the checkpoint
         except (Exception, CheckpointException) as exc:
             if reader.failure is not None:
                 raise reader.failure from None

@@ -495,7 +495,8 @@ def whole_reads(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, list[t
     """The reads of a load that needs no planning, per data file: ``(info, key, dest)`` with
     ``dest`` the tensor of ``flat`` to fill (``None`` for the skeleton); ``None`` when some
     tensor is saved in chunks, stored otherwise than raw, or its destination is not a
-    contiguous CPU tensor of its shape and dtype."""
+    contiguous CPU tensor of its shape and dtype. A destination whose storage holds fewer bytes
+    than the tensor spans is refused (:class:`~areal_lightning.errors.UsageError`)."""
     storage = metadata.storage_data
     infos = {index.fqn: info for index, info in storage.items()}
     if len(infos) != len(storage):
@@ -522,6 +523,10 @@ def whole_reads(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, list[t
                     or chunk.sizes != size or any(chunk.offsets) or not dest.is_cpu or dest.shape != size \
                     or not dest.is_contiguous() or dest.is_neg() or (dtype in complex_or_quantized and dest.is_conj()):
                 return None
+            if dest.untyped_storage().nbytes() < (dest.storage_offset() + dest.numel()) * dtype.itemsize:
+                raise UsageError(  # a read into it would write past its memory (torch does not check its ops either)
+                    f"the tensor '{fqn}' to load into holds fewer bytes than its shape needs: its storage was freed "
+                    "or shrunk (untyped_storage().resize_()); load into tensors that hold their memory")
         per_file.setdefault(info.relative_path, []).append((info, fqn, dest))
     return per_file
 
