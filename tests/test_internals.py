@@ -286,6 +286,7 @@ def test_no_other_module_touches_the_librarys_private_names(library: str) -> Non
 # Private names of other libraries than Lightning and torch the package uses, and where.
 OTHER_LIBRARIES_PRIVATE = {
     "_getdtype": "write/hf.py",  # safetensors' dtype names (DCP HF export check)
+    "_inverted_registry": "write/dcp_format.py",  # copyreg's extension codes (no public query): load_plain
 }
 ADAPTERS = {"lightning/_internals.py", "_torch_internals.py"}
 
