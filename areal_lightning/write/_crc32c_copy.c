@@ -163,13 +163,20 @@ static inline uint32_t chain(uint8_t *dst, const uint8_t *src, size_t n, uint32_
     return c32;
 }
 
-/* One item: the blocks of three chains, then one chain over the rest; returns its CRC32C. */
+/* n bytes of src: the blocks of three chains, then one chain over the rest, from the running
+ * (uninverted) crc, copying to dst when copying; returns the running CRC after them (a part of
+ * an item, whose later parts go on from it: a read or write a chunk at a time). */
 __attribute__((target("sse4.2")))
-static inline uint32_t run(uint8_t *dst, const uint8_t *src, size_t n, int copying, int streaming) {
-    uint32_t crc = 0xFFFFFFFFu;
+static inline uint32_t extend(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc, int copying, int streaming) {
     for (; n >= 3 * (size_t)BLOCK; n -= 3 * (size_t)BLOCK, src += 3 * (size_t)BLOCK, dst += 3 * (size_t)BLOCK)
         crc = block(dst, src, crc, copying, streaming);
-    return ~chain(dst, src, n, crc, copying, streaming);
+    return chain(dst, src, n, crc, copying, streaming);
+}
+
+/* One item whole: its CRC32C. */
+__attribute__((target("sse4.2")))
+static inline uint32_t run(uint8_t *dst, const uint8_t *src, size_t n, int copying, int streaming) {
+    return ~extend(dst, src, n, 0xFFFFFFFFu, copying, streaming);
 }
 
 /* Three small items of the same mode (copying, or checksums only) in lockstep, one chain
@@ -261,6 +268,8 @@ static void copy_all(const uint64_t *d, const uint64_t *s, const uint64_t *n, ui
 #define IOVECS 256
 #define CHUNK (2 * 3 * BLOCK)
 
+static const uint64_t none[IOVECS]; /* no sources: copy_all checksums the given memory (a group's) */
+
 /* Seconds on a monotonic clock (the checksums' share of a read or write, for telemetry). */
 static double now(void) {
     struct timespec t;
@@ -323,11 +332,8 @@ static int read_large(int fd, uint64_t at, uint8_t *dst, size_t n, uint32_t *crc
         ssize_t got = read_fully(fd, dst + done, want, at + done, err);
         if (got < 0) return -1;
         if ((size_t)got < want) return 1;
-        size_t k = 0;
         double start = now();
-        for (; want - k >= 3 * (size_t)BLOCK; k += 3 * (size_t)BLOCK)
-            crc = block(dst + done + k, dst + done + k, crc, 0, 0);
-        if (k < want) crc = chain(dst + done + k, dst + done + k, want - k, crc, 0, 0); /* the last chunk */
+        crc = extend(dst + done, dst + done, want, crc, 0, 0);
         *hash_s += now() - start;
         done += want;
     }
@@ -363,7 +369,6 @@ static int write_fully(int fd, struct iovec *iov, int count) {
  * seconds spent checksumming. */
 __attribute__((target("sse4.2")))
 static int write_all(int fd, const Py_buffer *views, Py_ssize_t count, uint32_t *o, double *hash_s) {
-    static const uint64_t none[IOVECS];
     uint64_t d[IOVECS], n[IOVECS];
     struct iovec iov[IOVECS];
     for (Py_ssize_t i = 0; i < count;) {
@@ -372,11 +377,10 @@ static int write_all(int fd, const Py_buffer *views, Py_ssize_t count, uint32_t 
         if (size >= GROUP) {
             uint32_t crc = 0xFFFFFFFFu;
             for (size_t done = 0; done < size;) {
-                size_t want = size - done < (size_t)CHUNK ? size - done : (size_t)CHUNK, k = 0;
+                size_t want = size - done < (size_t)CHUNK ? size - done : (size_t)CHUNK;
                 uint8_t *part = (uint8_t *)at + done; /* read only: checksums store nothing */
                 double start = now();
-                for (; want - k >= 3 * (size_t)BLOCK; k += 3 * (size_t)BLOCK) crc = block(part + k, part + k, crc, 0, 0);
-                if (k < want) crc = chain(part + k, part + k, want - k, crc, 0, 0);
+                crc = extend(part, part, want, crc, 0, 0);
                 *hash_s += now() - start;
                 struct iovec one = {part, want};
                 int err = write_fully(fd, &one, 1);
@@ -408,7 +412,6 @@ static int write_all(int fd, const Py_buffer *views, Py_ssize_t count, uint32_t 
 
 static Py_ssize_t read_all(int fd, const uint64_t *at, const uint64_t *d, const uint64_t *n, uint32_t *o,
                            Py_ssize_t count, int *err, double *hash_s) {
-    static const uint64_t none[IOVECS]; /* no sources: copy_all checksums the destinations */
     for (Py_ssize_t i = 0; i < count;) {
         if (n[i] >= GROUP) {
             int ended = read_large(fd, at[i], (uint8_t *)(uintptr_t)d[i], (size_t)n[i], &o[i], err, hash_s);

@@ -33,7 +33,7 @@ from areal_lightning.errors import CheckpointCorruptError
 
 __all__ = ["ALGORITHM", "ITEM_CHECKSUM", "HashingStream", "ChecksumLog", "Written", "crc32c", "file_checksum", "file_crc32c",
            "item_checksum", "truncated", "read_item", "check_item", "mismatch", "manifest_of", "data_files",
-           "with_metadata", "KERNEL"]
+           "with_metadata", "KERNEL", "one_pass"]
 
 ALGORITHM = "crc32c"
 """The checksum of every file and item this package records (name used in manifests)."""
@@ -45,6 +45,11 @@ except ImportError:  # an optional extension: not built without a C compiler
 """The compiled one-pass extension (``write/_crc32c_copy.c``): the memory tier's copy with each
 item's CRC32C (:mod:`~areal_lightning.write.slot`) and a local load's read with it
 (:mod:`~areal_lightning.write.dcp_reader`); ``None`` where it was not built."""
+
+
+def one_pass(function: str) -> bool:
+    """Whether :data:`KERNEL` was built with ``function`` and this CPU runs it (SSE4.2 on x86-64)."""
+    return KERNEL is not None and hasattr(KERNEL, function) and KERNEL.supported()
 
 ITEM_CHECKSUM = "areal_crc32c"
 """Attribute of DCP's ``_StorageInfo`` holding the item's CRC32C (pickled into ``.metadata``)."""

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future as TorchFuture
 
-from areal_lightning.errors import CheckpointCorruptError, CheckpointNotFoundError, UsageError
+from areal_lightning.errors import CheckpointCorruptError, CheckpointNotFoundError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import filesystem, strip
 from areal_lightning.write.checksum import (
@@ -53,6 +53,7 @@ from areal_lightning.write.checksum import (
     KERNEL,
     check_item,
     mismatch,
+    one_pass,
     read_item,
     truncated,
 )
@@ -157,7 +158,7 @@ class Read:
     verify_s: float = 0.0
 
 
-ONE_PASS_READ = KERNEL is not None and KERNEL.supported() and hasattr(KERNEL, "read")
+ONE_PASS_READ = one_pass("read")
 """Whether a load of whole tensors from a local file reads each part of the file into its
 tensor and checksums it right after, while in the cache, by one call of the compiled extension
 per file part (:meth:`AdoptingReader.read_whole`); else a read then a CRC32C pass per item, in
@@ -309,11 +310,7 @@ class AdoptingReader(FileSystemReader):
                         if dest is None:
                             data = read_item(file, path, info, key)
                         else:
-                            if dest.nbytes != info.length:
-                                raise CheckpointCorruptError(
-                                    f"{path}: '{key}' is recorded as {info.length} bytes but its tensor "
-                                    f"{list(dest.shape)} of {dest.dtype} holds {dest.nbytes}; the checkpoint's "
-                                    ".metadata is damaged")
+                            _check_length(path, key, info, dest)
                             data = read_into(file, dest, path, info.offset, key)
                         self._check(data, path, info, key, stats)
                     except CheckpointCorruptError as exc:
@@ -334,14 +331,10 @@ class AdoptingReader(FileSystemReader):
         extension (:data:`ONE_PASS_READ`), the GIL released; then each CRC32C compared with the
         recorded one (unless the file is one of :attr:`checked_files`)."""
         for info, key, dest in batch:
-            if dest.nbytes != info.length:
-                raise CheckpointCorruptError(
-                    f"{path}: '{key}' is recorded as {info.length} bytes but its tensor {list(dest.shape)} of "
-                    f"{dest.dtype} holds {dest.nbytes}; the checkpoint's .metadata is damaged")
+            _check_length(path, key, info, dest)
+        # (whole_reads refused a destination whose storage holds fewer bytes than it spans: each
+        # has its memory, none an address 0)
         addresses = array("Q", map(_DATA_PTR, [entry[2] for entry in batch]))
-        if 0 in addresses:
-            raise UsageError(f"the tensor '{batch[addresses.index(0)][1]}' to load into has no storage "
-                             "(data_ptr() is 0: its data was freed); load into tensors that hold memory")
         infos = [entry[0] for entry in batch]
         sizes = array("Q", [info.length for info in infos])
         out = array("I", bytes(4 * len(batch)))
@@ -390,6 +383,15 @@ class AdoptingReader(FileSystemReader):
         done.set_result(None)
         return done
 
+
+
+def _check_length(path: Any, key: str, info: Any, dest: torch.Tensor) -> None:
+    """Refuse a whole read whose recorded length is not its destination's size (a damaged
+    ``.metadata``: the read would write past the tensor or leave part of it)."""
+    if dest.nbytes != info.length:
+        raise CheckpointCorruptError(
+            f"{path}: '{key}' is recorded as {info.length} bytes but its tensor {list(dest.shape)} of {dest.dtype} "
+            f"holds {dest.nbytes}; the checkpoint's .metadata is damaged")
 
 
 def split_by_bytes(entries: list[Any], k: int) -> list[list[Any]]:

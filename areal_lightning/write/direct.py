@@ -63,7 +63,7 @@ from areal_lightning.errors import UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to
 from areal_lightning.write.checksum import (ITEM_CHECKSUM, KERNEL, HashingStream, Written, crc32c, data_files,
-                                            manifest_of, with_metadata)
+                                            manifest_of, one_pass, with_metadata)
 from areal_lightning.write.dcp_format import SKELETON_KEY
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, tensor_bytes
@@ -252,7 +252,7 @@ def tensors_of(flat: Mapping[str, Any]) -> Callable[[Any], Any]:
     return source
 
 
-ONE_PASS_WRITE = KERNEL is not None and KERNEL.supported() and hasattr(KERNEL, "write")
+ONE_PASS_WRITE = one_pass("write")
 """Whether :func:`save` writes a file's items by calls of the compiled extension, each part
 checksummed right before its write while in the cache, the GIL released (else a write then a
 ``crc32c`` per item, in Python)."""

@@ -50,20 +50,20 @@ from areal_lightning._fault import fault_point
 from areal_lightning._torch_internals import DATA_PTR_FUNCTION, DATA_SUFFIX, copy_tensors
 from areal_lightning.errors import CheckpointWriteError
 from areal_lightning.stage.host import register_host, unregister_host
-from areal_lightning.write.checksum import ITEM_CHECKSUM, KERNEL as _crc32c_copy, Written, crc32c
+from areal_lightning.write.checksum import ITEM_CHECKSUM, KERNEL as _crc32c_copy, Written, crc32c, one_pass
 from areal_lightning.write.direct import ByteLayout, write_metadata
 from areal_lightning.write.raw import tensor_bytes
 
 __all__ = ["SlotFile", "PendingCopy", "DATA_FILE", "COPY_THREADS", "FUSED"]
 
-FUSED = _crc32c_copy is not None and _crc32c_copy.supported()
+FUSED = one_pass("copy")
 """Whether a slot's items are copied and checksummed in one pass (the compiled
 ``_crc32c_copy``: each byte loaded once, stored and fed to the CPU's CRC32C instruction; a call
 of 4 MB or more stores past the caches; about 0.6-0.9x the time of torch's ``copy_`` here,
 against 1.1-1.8x for a copy then a checksum); else
 (not built, or no SSE4.2) a ``memmove`` or a group copy, then ``crc32c``."""
 
-_ADDRESSES = DATA_PTR_FUNCTION if FUSED and hasattr(_crc32c_copy, "addresses") else None
+_ADDRESSES = DATA_PTR_FUNCTION if one_pass("addresses") else None
 """Where the one-pass extension reads a save's addresses in one call (torch's exported data_ptr
 function); ``None`` where torch exports no such function or the extension was built before it
 had ``addresses``: then each tensor's address is read in Python, with a look at the tensor."""
