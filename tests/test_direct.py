@@ -14,6 +14,7 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
+from array import array
 from typing import Any, NamedTuple
 
 import pytest
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, UsageError
 from areal_lightning.layout import COMMIT_MARKER
+from areal_lightning.stage.host import pinning_possible
 from areal_lightning.write import direct
 from areal_lightning.write.dcp import DCPEngine
 from areal_lightning.write.dcp_format import SKELETON_KEY, UNNAMED, TensorSlot, flatten
@@ -232,6 +234,69 @@ def test_async_saves_alike_take_their_signature_from_one_check_and_a_changed_ten
                 (tuple(weights["w5"].shape), weights["w5"].dtype, weights["w5"].requires_grad)
     finally:
         engine.close()
+
+
+def test_sync_saves_write_plain_tensors_from_their_addresses_and_others_as_they_are(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """A sync save that needs no plan, on a host that cannot pin memory (none can be pinned),
+    takes its signature from one check while its tensors stay alike, and writes contiguous
+    host tensors from their addresses: one call of the extension per file (``write_at``), no
+    Python object per tensor. A tensor made non-contiguous, or of another shape or dtype, is
+    saved as it is by the per-tensor path; tensors of no elements after large ones (a group of
+    no bytes) are written; every save loads back as it was; a tensor whose data was freed is
+    named, and that save leaves no ``.metadata``."""
+    if direct._ADDRESS_OF is None or pinning_possible():
+        pytest.skip("needs the extension's write_at and torch's data_ptr function, on a host without an accelerator")
+    real, calls = direct.KERNEL, []
+
+    class Counted:  # the extension itself, its write_at calls counted
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def write_at(self, *args: Any) -> float:
+            calls.append(len(args[1]))
+            return real.write_at(*args)
+
+    monkeypatch.setattr(direct, "KERNEL", Counted())
+    gen = torch.Generator().manual_seed(0)
+    engine = DCPEngine()
+    base = {"big0": torch.randn(300_000, generator=gen), "empty": torch.zeros(0, 3),
+            "big1": torch.randn(200_000, generator=gen), **{f"w{i}": torch.full((4, 3), float(i)) for i in range(30)}}
+
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape[::-1], dtype=t.dtype).t().copy_(t)  # same shape, not contiguous
+
+    changes = {"alike": lambda t: t.detach().clone(), "strided": strided, "shape": lambda t: t.reshape(3, 4).clone(),
+               "dtype": lambda t: t.double()}
+    order = ["alike", "alike", "strided", "alike", "shape", "dtype", "dtype", "alike"]
+    try:
+        for step, change in enumerate(order):
+            checks, before = engine._signatures.checks, len(calls)
+            weights = {k: (changes[change](v) if k == "w5" else v.detach()) for k, v in base.items()}
+            engine.save({"state_dict": weights, "step": step}, tmp_path / f"c{step}")
+            assert (engine._signatures.checks > checks) == (step > 0 and change == order[step - 1]), (step, change)
+            assert (len(calls) > before) == (change != "strided"), (step, change)  # from addresses: every plain save
+            loaded = engine.load(tmp_path / f"c{step}")
+            assert loaded["step"] == step and list(loaded["state_dict"]) == list(weights)
+            for key, tensor in weights.items():
+                got = loaded["state_dict"][key]
+                assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), key
+        assert sum(calls) == len(base) * (len(order) - order.count("strided"))  # every tensor of those saves
+        ends = {"a": torch.randn(1 << 18, generator=gen), "b": torch.empty(0), "c": torch.randn(1 << 18, generator=gen),
+                "d": torch.empty(0, 3)}  # b and d: a group of no bytes after a, in a's file
+        engine.save({"state_dict": ends}, tmp_path / "ends")
+        loaded = engine.load(tmp_path / "ends")["state_dict"]
+        assert all(torch.equal(loaded[k], v) and loaded[k].shape == v.shape for k, v in ends.items())
+        weights = {k: v.detach() for k, v in base.items()}
+        engine.save({"state_dict": weights}, tmp_path / "alike")
+        weights["w7"].untyped_storage().resize_(0)  # its data freed; the check still finds it alike
+        with pytest.raises(CheckpointWriteError, match="'state_dict.w7' has no storage"):
+            engine.save({"state_dict": weights}, tmp_path / "freed")
+        assert not (tmp_path / "freed" / ".metadata").exists()
+    finally:
+        engine.close()
+    flat = {SKELETON_KEY: {}, "a": torch.ones(2)}  # the skeleton first: the order the layout's places assume is not met
+    assert direct.tensors_of(flat, plain=True).addresses(array("Q", [0]), array("Q", [8]), []) is None
 
 
 def _save_into(path: Path, state: dict, layout: "direct.ByteLayout | None" = None,

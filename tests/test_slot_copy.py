@@ -191,13 +191,15 @@ def test_read_names_the_first_item_the_file_ends_in(native, tmp_path, last) -> N
         native.read(0, array("Q", [0]), array("Q", [0, 0]), array("Q", [1]), array("I", [0]))
 
 
-def test_write_puts_each_item_in_the_file_in_order_with_its_crc32c(native, tmp_path) -> None:
-    """``write`` (a save's items of one file): the file holds every item's bytes in order and
-    each CRC32C is the ``crc32c`` package's, on every path: small items checksummed together and
-    written by one ``writev`` (runs cut at GROUP bytes and IOVECS items), a large item CHUNK bytes
-    at a time (its last chunk with a remainder), items of no bytes, ``bytes`` and views of
-    tensors; it appends at the file's position; a failed write raises ``OSError``; what is not a
-    contiguous buffer is refused before anything is written."""
+@pytest.mark.parametrize("how", ["write", "write_at"])
+def test_write_puts_each_item_in_the_file_in_order_with_its_crc32c(native, tmp_path, how) -> None:
+    """``write`` (a save's items of one file, as buffers) and ``write_at`` (the same, as addresses
+    and sizes): the file holds every item's bytes in order and each CRC32C is the ``crc32c``
+    package's, on every path: small items checksummed together and written by one ``writev``
+    (runs cut at GROUP bytes and IOVECS items), a large item CHUNK bytes at a time (its last
+    chunk with a remainder), items of no bytes, ``bytes`` and views of tensors; it appends at the
+    file's position; a failed write raises ``OSError``; what is not a contiguous buffer, or
+    arrays of unequal lengths, are refused before anything is written."""
     rng = random.Random(3)
     sizes = lengths() + [GROUP - 1, GROUP, GROUP + 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7] + [8] * (IOVECS + 40)
     rng.shuffle(sizes)
@@ -207,20 +209,47 @@ def test_write_puts_each_item_in_the_file_in_order_with_its_crc32c(native, tmp_p
         piece = source[at:at + n].numpy()
         items.append(piece.tobytes() if i % 2 else memoryview(piece))
         at += n
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    addresses = array("Q", [source.data_ptr() + start if n else 0 for start, n in zip(starts, sizes)])
+
+    def write(fd: int, out: array, count: int | None = None) -> float:
+        if how == "write":
+            return native.write(fd, items[:count], out)
+        return native.write_at(fd, addresses[:count], array("Q", sizes[:count]), out)
+
     path = tmp_path / "items"
     out = array("I", bytes(4 * len(items)))
     with open(path, "wb") as f:
         f.write(b"head")
         f.flush()
-        assert native.write(f.fileno(), items, out) >= 0.0
+        assert write(f.fileno(), out) >= 0.0
     assert path.read_bytes() == b"head" + source.numpy().tobytes()
     assert list(out) == [crc32c.crc32c(bytes(item)) for item in items]
+    for group in ([0], [0, 0], [GROUP, 0, GROUP + 5]):  # no bytes in a writev of its own: nothing written, no error
+        data = [bytes(range(256)) * (n // 256) + bytes(n % 256) for n in group]
+        keep = [torch.frombuffer(bytearray(piece), dtype=torch.uint8) if piece else torch.empty(0, dtype=torch.uint8)
+                for piece in data]
+        out = array("I", bytes(4 * len(group)))
+        with open(path, "wb") as f:
+            if how == "write":
+                native.write(f.fileno(), data, out)
+            else:
+                native.write_at(f.fileno(), array("Q", [t.data_ptr() for t in keep]), array("Q", group), out)
+        assert path.read_bytes() == b"".join(data)
+        assert list(out) == [crc32c.crc32c(piece) for piece in data]
     with open(path, "rb") as f, pytest.raises(OSError, match="Bad file descriptor"):
-        native.write(f.fileno(), [b"x" * 100], array("I", [0]))
-    with pytest.raises(ValueError, match="4 bytes per item"):
-        native.write(1, [b"x"], array("I", [0, 0]))
+        write(f.fileno(), array("I", [0] * 3), 3) if how == "write_at" else native.write(f.fileno(), [b"x" * 100],
+                                                                                           array("I", [0]))
+    with pytest.raises(ValueError, match="4 bytes per item" if how == "write" else "8 bytes per item and out 4"):
+        write(1, array("I", [0, 0]), 1)
     with open(path, "wb") as f:
-        for bad in (3, memoryview(source.numpy()[::2])):
-            with pytest.raises((TypeError, BufferError, ValueError)):
-                native.write(f.fileno(), [b"ok", bad], array("I", [0, 0]))
+        if how == "write":
+            for bad in (3, memoryview(source.numpy()[::2])):
+                with pytest.raises((TypeError, BufferError, ValueError)):
+                    native.write(f.fileno(), [b"ok", bad], array("I", [0, 0]))
+        else:
+            with pytest.raises(ValueError, match="8 bytes per item and out 4"):
+                native.write_at(f.fileno(), addresses[:2], array("Q", sizes[:3]), array("I", [0, 0]))
     assert path.read_bytes() == b""

@@ -80,6 +80,13 @@ def pin_buffers() -> bool:
     return torch.cuda.is_available()
 
 
+def pinning_possible() -> bool:
+    """Whether a host tensor of this process can be page-locked: only with an accelerator
+    (``torch.accelerator.is_available()``; without one ``pin_memory()`` raises, and
+    ``is_pinned()`` is False for every tensor)."""
+    return torch.accelerator.is_available()
+
+
 def copy_into(buffers: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], *, ready: Any = None,
               stream: Any = None) -> None:
     """Copy each tensor of ``state`` into its buffer of ``buffers`` (same shape and dtype;

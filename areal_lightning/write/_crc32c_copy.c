@@ -64,6 +64,10 @@
  *                                 out[i], each part checksummed right before its write, while in
  *                                 the cache. Returns the seconds spent checksumming; raises
  *                                 OSError for a failed write. Releases the GIL.
+ *   write_at(fd, addresses, sizes, out)
+ *                                 write() of the items at addresses[i], sizes[i] bytes each
+ *                                 (uint64 buffers): a save's tensors without a Python object
+ *                                 per item. The caller guarantees the addresses.
  *   supported()                   whether this CPU runs copy() (SSE4.2 on x86-64).
  *   stream_min()                  the default byte count from which a call streams its stores.
  */
@@ -344,6 +348,11 @@ static int read_large(int fd, uint64_t at, uint8_t *dst, size_t n, uint32_t *crc
 /* writev every byte of iov[0..count) (advanced in place past a short write); 0 or errno. */
 static int write_fully(int fd, struct iovec *iov, int count) {
     while (count > 0) {
+        while (count > 0 && iov->iov_len == 0) { /* items of no bytes: nothing to write (a writev of 0 bytes returns 0) */
+            iov++;
+            count--;
+        }
+        if (count == 0) break;
         ssize_t put = writev(fd, iov, count > IOVECS ? IOVECS : count);
         if (put < 0) {
             if (errno == EINTR) continue;
@@ -363,22 +372,21 @@ static int write_fully(int fd, struct iovec *iov, int count) {
     return 0;
 }
 
-/* A save's items written in order (write() below): adjacent items under GROUP bytes checksummed
- * together and written by one writev of up to GROUP bytes; a larger item CHUNK bytes at a time,
- * each chunk checksummed, then written while in the cache. Returns 0 or errno; *hash_s: the
- * seconds spent checksumming. */
+/* A save's items (item i: n[i] bytes at a[i]) written in order (write() and write_at() below):
+ * adjacent items under GROUP bytes checksummed together and written by one writev of up to GROUP
+ * bytes; a larger item CHUNK bytes at a time, each chunk checksummed, then written while in the
+ * cache. Returns 0 or errno; *hash_s: the seconds spent checksumming. */
 __attribute__((target("sse4.2")))
-static int write_all(int fd, const Py_buffer *views, Py_ssize_t count, uint32_t *o, double *hash_s) {
-    uint64_t d[IOVECS], n[IOVECS];
+static int write_all(int fd, const uint64_t *a, const uint64_t *n, Py_ssize_t count, uint32_t *o, double *hash_s) {
     struct iovec iov[IOVECS];
     for (Py_ssize_t i = 0; i < count;) {
-        const uint8_t *at = views[i].buf;
-        size_t size = (size_t)views[i].len;
+        uint8_t *at = (uint8_t *)(uintptr_t)a[i]; /* read only: checksums store nothing */
+        size_t size = (size_t)n[i];
         if (size >= GROUP) {
             uint32_t crc = 0xFFFFFFFFu;
             for (size_t done = 0; done < size;) {
                 size_t want = size - done < (size_t)CHUNK ? size - done : (size_t)CHUNK;
-                uint8_t *part = (uint8_t *)at + done; /* read only: checksums store nothing */
+                uint8_t *part = at + done;
                 double start = now();
                 crc = extend(part, part, want, crc, 0, 0);
                 *hash_s += now() - start;
@@ -392,16 +400,14 @@ static int write_all(int fd, const Py_buffer *views, Py_ssize_t count, uint32_t 
         }
         Py_ssize_t last = i;
         size_t bytes = 0;
-        while (last < count && last - i < IOVECS && (size_t)views[last].len < GROUP
-               && (last == i || bytes + (size_t)views[last].len <= GROUP)) {
-            d[last - i] = (uint64_t)(uintptr_t)views[last].buf;
-            n[last - i] = (uint64_t)views[last].len;
-            iov[last - i].iov_base = views[last].buf;
-            iov[last - i].iov_len = (size_t)views[last].len;
-            bytes += (size_t)views[last++].len;
+        while (last < count && last - i < IOVECS && (size_t)n[last] < GROUP
+               && (last == i || bytes + (size_t)n[last] <= GROUP)) {
+            iov[last - i].iov_base = (void *)(uintptr_t)a[last];
+            iov[last - i].iov_len = (size_t)n[last];
+            bytes += (size_t)n[last++];
         }
         double start = now();
-        copy_all(d, none, n, o + i, last - i, ULLONG_MAX); /* no sources: the items' own bytes, read only */
+        copy_all(a + i, none, n + i, o + i, last - i, ULLONG_MAX); /* no sources: the items' own bytes, read only */
         *hash_s += now() - start;
         int err = write_fully(fd, iov, (int)(last - i));
         if (err) return err;
@@ -560,6 +566,23 @@ done:
     return result;
 }
 
+/* write_all() with the GIL released: the seconds spent checksumming, or NULL and OSError. */
+static PyObject *written(int fd, const uint64_t *a, const uint64_t *n, Py_ssize_t count, Py_buffer *out) {
+    int err = 0;
+    double hash_s = 0.0;
+#if HAVE_KERNEL
+    uint32_t *o = out->buf;
+    Py_BEGIN_ALLOW_THREADS
+    err = write_all(fd, a, n, count, o, &hash_s);
+    Py_END_ALLOW_THREADS
+#endif
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyFloat_FromDouble(hash_s);
+}
+
 static PyObject *py_write(PyObject *self, PyObject *args) {
     int fd;
     PyObject *items;
@@ -574,39 +597,44 @@ static PyObject *py_write(PyObject *self, PyObject *args) {
     }
     Py_ssize_t count = PyTuple_GET_SIZE(items), held = 0;
     Py_buffer *views = NULL;
+    uint64_t *spans = NULL; /* each item's address, then each one's size */
     if (out.len != count * 4) {
         PyErr_Format(PyExc_ValueError, "_crc32c_copy.write: out needs 4 bytes per item (got %zd bytes for %zd items)",
                      out.len, count);
         goto done;
     }
     views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
-    if (views == NULL) {
+    spans = PyMem_Calloc(count ? 2 * (size_t)count : 1, sizeof(uint64_t));
+    if (views == NULL || spans == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (; held < count; held++) /* every buffer held (its object alive, C-contiguous) while the GIL is released */
+    for (; held < count; held++) { /* every buffer held (its object alive, C-contiguous) while the GIL is released */
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(items, held), &views[held], PyBUF_SIMPLE) < 0) goto done;
-    int err = 0;
-    double hash_s = 0.0;
-#if HAVE_KERNEL
-    {
-        uint32_t *o = out.buf;
-        Py_BEGIN_ALLOW_THREADS
-        err = write_all(fd, views, count, o, &hash_s);
-        Py_END_ALLOW_THREADS
+        spans[held] = (uint64_t)(uintptr_t)views[held].buf;
+        spans[count + held] = (uint64_t)views[held].len;
     }
-#endif
-    if (err) {
-        errno = err;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    result = PyFloat_FromDouble(hash_s);
+    result = written(fd, spans, spans + count, count, &out);
 done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
+    PyMem_Free(spans);
     PyBuffer_Release(&out);
     Py_DECREF(items);
+    return result;
+}
+
+static PyObject *py_write_at(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer addresses, sizes, out;
+    if (!kernel_ready("write_at")) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*y*w*:write_at", &fd, &addresses, &sizes, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = items_of("write_at", "addresses and sizes", &addresses, &sizes, &sizes, &out);
+    if (count >= 0) result = written(fd, addresses.buf, sizes.buf, count, &out);
+    PyBuffer_Release(&addresses);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&out);
     return result;
 }
 
@@ -627,6 +655,8 @@ static PyMethodDef methods[] = {
      "module source)."},
     {"write", py_write, METH_VARARGS,
      "write(fd, items, out): write each item's bytes and its CRC32C (see the module source)."},
+    {"write_at", py_write_at, METH_VARARGS,
+     "write_at(fd, addresses, sizes, out): write() of the bytes at the given addresses (see the module source)."},
     {"supported", py_supported, METH_NOARGS, "Whether this CPU runs copy()."},
     {"stream_min", py_stream_min, METH_NOARGS, "Bytes from which a copy() call streams its stores past the caches."},
     {NULL, NULL, 0, NULL},

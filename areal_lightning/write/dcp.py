@@ -108,7 +108,7 @@ from areal_lightning.collective import DEFAULT_TIMEOUT_S, CheckpointGroup
 from areal_lightning.errors import CheckpointCorruptError, CheckpointWriteError, ConfigError, PathOccupiedError, UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.objectstore import filesystem, is_remote, strip
-from areal_lightning.stage.host import bind_thread_to, copy_into, cuda_device, pin_buffers
+from areal_lightning.stage.host import bind_thread_to, copy_into, cuda_device, pin_buffers, pinning_possible
 from areal_lightning.stage.worker import BackgroundWorker
 from areal_lightning.write.checksum import (
     Written,
@@ -340,9 +340,9 @@ class DCPEngine:
                 if self.async_executor == "process":
                     if self._process is None:
                         self._process = CheckpointProcess(self.thread_count)
-                    layout = self._process.layout_for(self._signature(flat, pinned=False))
+                    layout = self._process.layout_for(self._signature(flat, pinned=False)[0])
                 else:
-                    layout = self._direct_layout(flat, pinned=pin_buffers())
+                    layout = self._direct_layout(flat, pinned=pin_buffers())[0]
             if layout is not None:  # a save that needs no plan: staged into buffers of its layout
                 staged, upload = self._staged_save(flat, path, layout, writer)
             else:
@@ -394,7 +394,7 @@ class DCPEngine:
             if process is not None:
                 process.save(path, skeleton, writer.checksums.written)
             else:
-                direct.save(direct.tensors_of(buffers), skeleton, path, layout, writer.checksums.written,
+                direct.save(direct.tensors_of(buffers, plain=True), skeleton, path, layout, writer.checksums.written,
                             device=device)
 
         return staged, self._uploads().submit(job)
@@ -408,30 +408,36 @@ class DCPEngine:
                                       for key, shape, dtype, _, _ in layout.key})
         return self._buffers[1]
 
-    def _signature(self, flat: dict[str, Any], pinned: bool | None) -> tuple[Any, ...] | None:
-        """:func:`~areal_lightning.write.direct.signature` of ``flat``; with ``pinned`` given (an
-        async save: where its bytes are staged from) by :class:`~areal_lightning.write.direct.Signatures`,
-        one check of its tensors while they stay alike (the skeleton set aside meanwhile). A
-        sync save writes from the tensors themselves, whose pinning the check does not cover:
-        its signature is read from them."""
+    def _signature(self, flat: dict[str, Any], pinned: bool | None) -> tuple[tuple[Any, ...] | None, bool]:
+        """:func:`~areal_lightning.write.direct.signature` of ``flat``, by
+        :class:`~areal_lightning.write.direct.Signatures`: one check of its tensors while they
+        stay alike (the skeleton set aside meanwhile, then put back last). ``pinned``: an async
+        save's (where its bytes are staged from); ``None``: a sync save, which writes from the
+        tensors themselves, whose pinning the check does not cover: read from each one where
+        this process can pin memory, else known (none is pinned). Also returns whether
+        ``flat``'s tensors are known to be contiguous host tensors with a storage, in order."""
         if pinned is None:
-            return direct.signature(flat, None)
+            if pinning_possible():
+                return direct.signature(flat, None), False
+            pinned = False
         skeleton = flat.pop(SKELETON_KEY, _NO_SKELETON)
         try:
-            return self._signatures(flat, pinned)
+            key = self._signatures(flat, pinned)
         finally:
             if skeleton is not _NO_SKELETON:
                 flat[SKELETON_KEY] = skeleton
+        return key, key is not None and self._signatures.plain
 
-    def _direct_layout(self, flat: dict[str, Any], pinned: bool | None = None) -> direct.ByteLayout | None:
+    def _direct_layout(self, flat: dict[str, Any], pinned: bool | None = None) -> tuple[direct.ByteLayout | None, bool]:
         """The layout of a save of ``flat`` that needs no plan (reused while the keys, shapes
-        and dtypes stay), or ``None`` when DCP must plan it."""
-        key = self._signature(flat, pinned)
+        and dtypes stay), or ``None`` when DCP must plan it; and whether ``flat``'s tensors are
+        plain (see :meth:`_signature`)."""
+        key, plain = self._signature(flat, pinned)
         if key is None:
-            return None
+            return None, False
         if self._layout is None or self._layout.key != key:
             self._layout = direct.ByteLayout(key, self.thread_count)
-        return self._layout
+        return self._layout, plain
 
     def _write(self, flat: dict[str, Any], path: Location, writer: HashingWriter, collective: bool, *,
                background: bool) -> None:
@@ -439,9 +445,9 @@ class DCPEngine:
         rank-local save of plain tensors to a local folder (its layout cached between saves),
         else by DCP through ``writer``; what was written goes to ``writer.checksums.written``."""
         if not collective and isinstance(path, Path):
-            layout = self._direct_layout(flat)
+            layout, plain = self._direct_layout(flat)
             if layout is not None:
-                direct.save(direct.tensors_of(flat), direct.skeleton_bytes(flat[SKELETON_KEY]), path, layout,
+                direct.save(direct.tensors_of(flat, plain), direct.skeleton_bytes(flat[SKELETON_KEY]), path, layout,
                             writer.checksums.written, device=writer.device)
                 return
         save_flat_state_dict(flat, writer, self._planner(), **self._dist_kwargs(background=background))
