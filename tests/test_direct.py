@@ -435,6 +435,12 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
     @given(st.dictionaries(st.sampled_from(["a", "b", "a.b", "0", SKELETON_KEY, "a#1"]), trees, min_size=1, max_size=4))
     @example({"a.b": pool[0], "a": {"b": pool[1]}})  # a dict whose dotted key meets one taken before
     @example({"a": pool[0], SKELETON_KEY: pool[1]})  # a dict of tensors holding the skeleton's key
+    @example({"state": {0: {"exp_avg": pool[0], "step": pool[1]}, 1: {}, "2": {"exp_avg": pool[2]}},  # per parameter
+              "param_groups": [{"params": [0, 1, 2], "betas": (0.9, 0.99), "lr": 0.1, "name": None}]})
+    @example({"s": {1: {"a": pool[0]}, "1": {"a": pool[1]}}})  # 1 and "1": two paths alike
+    @example({"s": {"a": {"b.c": pool[0]}, "a.b": {"c": pool[1]}}})  # dotted keys: two paths alike
+    @example({"s": {"a": {"b": pool[0]}}, "s.a": {"b": pool[1]}})  # a path taken before
+    @example({"s": {0: {"x": pool[0], "y": 1}, 1: {"x": pool[1]}}, "t": {0: {"x": pool[0]}, (1, 2): {"x": pool[1]}}})
     def check(state: dict[str, Any]) -> None:
         flat = flatten(state, memo)
         if memo is not None:
@@ -478,6 +484,19 @@ def test_flatten_with_a_memo_reuses_the_paths_of_a_dict_whose_keys_stay_and_only
         plain = flatten({"m": changed, "n": 1})
         assert list(got.items())[:-1] == list(plain.items())[:-1], changed.keys()
         assert type(got[SKELETON_KEY]["m"]) is type(changed) and list(got[SKELETON_KEY]["m"]) == list(changed)
+    # an optimizer's state per parameter: the same paths while its keys stay; changed, as without the memo
+    per_parameter = {i: {"exp_avg": tensors[i], "step": tensors[20]} for i in range(20)}
+    first = flatten({"state": per_parameter}, memo)
+    second = flatten({"state": {i: dict(d) for i, d in per_parameter.items()}}, memo)
+    assert list(second) == list(first) and all(a is b for a, b in zip(first, second) if a != SKELETON_KEY)
+    assert second[SKELETON_KEY] == first[SKELETON_KEY] and second[SKELETON_KEY]["state"][0] is not \
+        first[SKELETON_KEY]["state"][0]  # each save's skeleton its own
+    for changed in ({**per_parameter, 20: {"exp_avg": tensors[0]}}, {**per_parameter, 3: {"exp_avg": tensors[3]}},
+                    {**per_parameter, 3: {"exp_avg": tensors[3], "step": 1}}, {**per_parameter, "3": {"x": tensors[3]}},
+                    dict(reversed(per_parameter.items())), {**per_parameter, 4: {"exp_avg": tensors[4], "s": tensors[5]}}):
+        got, plain = flatten({"state": changed}, memo), flatten({"state": changed})
+        assert list(got.items())[:-1] == list(plain.items())[:-1]
+        assert got[SKELETON_KEY] == plain[SKELETON_KEY]
     # the memo keeps this call's dicts only: a prefix new at every save does not pile up
     for step in range(5):
         flatten({f"ema_{step}": sd, "m": sd}, memo)
