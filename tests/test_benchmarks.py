@@ -65,14 +65,15 @@ def test_convert_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     assert "peak anon MB" in proc.stdout
 
 
-def test_many_tensors_benchmark_runs_and_writes_its_json(tmp_path) -> None:
+@pytest.mark.parametrize("structure", ["flat", "adam"])
+def test_many_tensors_benchmark_runs_and_writes_its_json(tmp_path, structure) -> None:
     out = tmp_path / "many.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "many_tensors.py"), "--mb", "1", "--counts",
-                           "4,64", "--repeats", "1", "--workdir", str(tmp_path), "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+                           "4,64", "--repeats", "1", "--workdir", str(tmp_path), "--structure", structure,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
-    assert [r["count"] for r in doc["results"]] == [4, 64]
+    assert [r["count"] for r in doc["results"]] == [4, 64] and doc["config"]["structure"] == structure
     assert set(doc["ratios"]) == {"dcp_sync", "dcp_load", "torch_save", "torch_load", "memory_copy", "memory_slot",
                                  "memory_fresh"}
     assert all(r[m] > 0 for r in doc["results"] for m in doc["ratios"])

@@ -7,6 +7,7 @@ import copyreg
 import io
 import pickle
 import threading
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -234,6 +235,68 @@ def test_a_plain_skeleton_loads_by_the_compiled_unpickler_as_torch_load_would(tm
     assert loaded["step"] == 3 and loaded["meta"] == {"names": {"a", "b"}, "blob": b"xyz"}
     assert _same(loaded["optimizer"]["param_groups"], opt.state_dict()["param_groups"])
     assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+class _Holder:
+    """A non-container leaf that holds a tensor (its storage reached through its ``__dict__``)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_a_skeleton_is_saved_as_torch_save_saves_it(tmp_path: Path, monkeypatch) -> None:
+    """``save_skeleton`` (every save's skeleton): the archive ``torch.save`` writes, record for
+    record (all but the random serialization id), for builtin values, the types torch allows
+    and any others; one that holds a storage anywhere (a tensor, a storage, an object holding a
+    tensor) goes to ``torch.save`` whole, its storages as records; what cannot be pickled fails
+    as ``torch.save`` fails."""
+    from areal_lightning.write import dcp_format
+    from areal_lightning.write.dcp_format import UNNAMED, TensorSlot, save_skeleton
+
+    def records(data: bytes) -> dict[str, bytes]:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            return {name: archive.read(name) for name in archive.namelist() if not name.endswith("serialization_id")}
+
+    def ours(obj) -> bytes:
+        buffer = io.BytesIO()
+        save_skeleton(obj, buffer)
+        return buffer.getvalue()
+
+    metadata = collections.OrderedDict(w=1)
+    metadata._metadata = {"": {"version": 1}}
+    shared = [1, 2]
+    plain = [
+        {"a": 1, "b": [1.5, -2, None, True, "x" * 300, b"\x00\xff" * 40], "c": (1, (2, 3)), 4: {}, (5, 6): []},
+        metadata, collections.Counter("abracadabra"), {1, 2, "three"}, bytearray(b"\x01\x02"), complex(1, -2),
+        [UNNAMED, TensorSlot("opt.state.0.exp_avg"), UNNAMED], {"x": shared, "y": shared},
+        {"state_dict": dict.fromkeys([f"layer{i}.weight" for i in range(50)], UNNAMED), "step": 7},
+        Point(1, 2), Opaque(3), _Touch(tmp_path / "never"), torch.float32, torch.Size([2, 3]), torch.device("cpu"),
+        collections.defaultdict(list, a=[1]), frozenset({4}), _Holder, 2 ** 80, "",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        typed = torch.ones(2).storage()
+    storages = [{"t": torch.ones(2)}, [Opaque(1), _Holder(torch.arange(3))], torch.ones(3).untyped_storage(),
+                {"typed": typed}]
+    real_save, modules = torch.save, []
+
+    def save(*args, **kwargs):  # torch.save itself, what it is asked to pickle by noted
+        modules.append(kwargs.get("pickle_module"))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    for obj in plain + storages:
+        modules.clear()
+        got = ours(obj)
+        assert modules == [dcp_format._Pickled if any(obj is p for p in plain) else None], obj  # pickled before, or not
+        monkeypatch.setattr(torch, "save", real_save)
+        assert records(got) == records(_saved(obj)), obj
+        monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(torch, "save", real_save)
+    with pytest.raises(Exception) as theirs:
+        _saved({"f": lambda: 1})
+    with pytest.raises(type(theirs.value)):
+        ours({"f": lambda: 1})
 
 
 def test_async_returns_snapshot_not_later_mutations(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ import torch
 # message is silenced (nothing else is).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "UNNAMED", "SlotUnpickler", "PlainUnpickler", "NOT_PLAIN", "load_plain", "slot_globals", "flatten", "unflatten", "flat_tensors",
+__all__ = ["SKELETON_KEY", "SLOT_NAMES", "TensorSlot", "UNNAMED", "SlotUnpickler", "PlainUnpickler", "NOT_PLAIN", "load_plain", "save_skeleton", "PROTOCOL", "slot_globals", "flatten", "unflatten", "flat_tensors",
            "Refusal", "weights_only_refusal"]
 
 SKELETON_KEY = "__areal_lightning_skeleton__"
@@ -124,6 +124,56 @@ def load_plain(data: bytes) -> Any:
             return PlainUnpickler(io.BytesIO(archive.read(f"{prefix}/data.pkl"))).load()
     except Exception:  # noqa: BLE001 - any doubt: torch.load decides, with its own errors
         return NOT_PLAIN
+
+
+PROTOCOL = 2
+"""The pickle protocol of a skeleton: ``torch.save``'s default (``DEFAULT_PROTOCOL``), passed
+to it explicitly by :func:`save_skeleton`."""
+
+
+class _HasStorage(Exception):
+    """A storage (or a tensor, whose reduction holds one) met by :class:`_PlainPickler`."""
+
+
+class _PlainPickler(pickle.Pickler):
+    """Python's compiled pickler, stopped by a storage: what ``torch.save``'s own pickler writes
+    for an object that holds none (its ``persistent_id``, a Python call for every object
+    pickled, returns ``None`` for all the others). ``reducer_override`` is consulted only for
+    objects that are not builtin values or containers, and not met before; every storage is such
+    an object, whatever holds it."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.storage.TypedStorage)) or torch.is_storage(obj):
+            raise _HasStorage
+        return NotImplemented
+
+
+class _Pickled:
+    """``torch.save``'s ``pickle_module`` for a pickle made beforehand: its pickler writes the
+    bytes it is given as the archive's ``data.pkl`` (torch writes the archive around them)."""
+
+    class Pickler:
+        def __init__(self, file: Any, protocol: int | None = None) -> None:
+            self._file = file
+
+        def dump(self, data: bytes) -> None:
+            self._file.write(data)
+
+
+def save_skeleton(skeleton: Any, file: Any) -> None:
+    """``torch.save(skeleton, file)``: the same archive, its ``data.pkl`` the same bytes. Where
+    the skeleton holds no storage (a checkpoint's skeleton usually holds none: its tensors are
+    slots) it is pickled by Python's compiled pickler first, and ``torch.save`` writes those
+    bytes (through its documented ``pickle_module`` argument) instead of pickling it with a
+    Python ``persistent_id`` call per object (2,000 tensors' skeleton: about 1.1 ms against 0.2);
+    else, or where that pickler fails, ``torch.save`` pickles it as always."""
+    buffer = io.BytesIO()
+    try:
+        _PlainPickler(buffer, protocol=PROTOCOL).dump(skeleton)
+    except Exception:  # noqa: BLE001 - a storage, or what torch.save reports in its own words
+        torch.save(skeleton, file, pickle_protocol=PROTOCOL)
+        return
+    torch.save(buffer.getvalue(), file, pickle_module=_Pickled, pickle_protocol=PROTOCOL)
 
 
 def slot_globals() -> list[tuple[type, str]]:

@@ -64,7 +64,7 @@ from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to
 from areal_lightning.write.checksum import (ITEM_CHECKSUM, KERNEL, HashingStream, Written, crc32c, data_files,
                                             manifest_of, one_pass, with_metadata)
-from areal_lightning.write.dcp_format import SKELETON_KEY
+from areal_lightning.write.dcp_format import SKELETON_KEY, save_skeleton
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, tensor_bytes
 
@@ -548,7 +548,7 @@ def metadata_object(uri: str, metadata: Metadata, written: Written, storage_opti
 def skeleton_bytes(skeleton: Any) -> bytes:
     """The skeleton as the byte item DCP writes (``torch.save`` into a buffer)."""
     buffer = io.BytesIO()
-    torch.save(skeleton, buffer)
+    save_skeleton(skeleton, buffer)
     return buffer.getvalue()
 
 
