@@ -632,7 +632,7 @@ def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path:
 
     from areal_lightning.commit.manifest import verify_files
     from areal_lightning.write import dcp_reader
-    from areal_lightning.write.dcp_format import flat_tensors
+    from areal_lightning.write.dcp_format import SKELETON_KEY, flat_tensors
 
     assert dcp_reader.ONE_PASS_READ or not one_pass, "the compiled _crc32c_copy is not built (see test_slot_copy.py)"
     monkeypatch.setattr(dcp_reader, "ONE_PASS_READ", one_pass)
@@ -660,6 +660,17 @@ def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path:
             with pytest.raises(CheckpointCorruptError, match=f"{shard} fails its CRC32C check in {key!r}"):
                 verify_files(path, "restore it")
             shard.write_bytes(pristine)
+    # a .metadata whose recorded length of an item is not its tensor's size: refused by name
+    pristine_md = (path / ".metadata").read_bytes()
+    name, _, length, key = next(item for item in items if item[3] != SKELETON_KEY and item[2] > 4)
+    damaged_md = FileSystemReader(path).read_metadata()
+    for index, info in damaged_md.storage_data.items():
+        if index.fqn == key:
+            info.length -= 4
+    (path / ".metadata").write_bytes(pickle.dumps(damaged_md))
+    with pytest.raises(CheckpointCorruptError, match=f"{path / name}: {key!r} is recorded as {length - 4} bytes"):
+        engine.load(path, template=state)
+    (path / ".metadata").write_bytes(pristine_md)
     shard = path / items[-1][0]
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size - 3)
