@@ -8,6 +8,7 @@ fall back to DCP wherever planning is needed, and a save must fail as a whole.
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -204,13 +205,33 @@ def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> 
     assert engine.staging_buffers is None
 
 
+@pytest.fixture
+def write_at_calls(monkeypatch) -> list[int]:
+    """The item counts of the extension's ``write_at`` calls in this process (the extension
+    itself, each call counted), from here on."""
+    real, calls = direct.KERNEL, []
+
+    class Counted:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def write_at(self, *args: Any) -> float:
+            calls.append(len(args[1]))
+            return real.write_at(*args)
+
+    monkeypatch.setattr(direct, "KERNEL", Counted())
+    return calls
+
+
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_async_saves_alike_take_their_signature_from_one_check_and_a_changed_tensor_is_saved_as_it_is(
-        tmp_path: Path, executor: str) -> None:
+        tmp_path: Path, executor: str, write_at_calls: list[int]) -> None:
     """An async save that needs no plan takes its layout's signature from one check of its
     tensors while they stay alike (new tensor objects, as ``state_dict()`` makes them, count as
     alike); a tensor whose shape, dtype or ``requires_grad`` changed under its key is saved with
-    its new properties; every save loads back as it was."""
+    its new properties; every save loads back as it was. The thread executor writes its staging
+    buffers from their addresses (``write_at``, where the extension has it), every tensor of
+    every save; the process executor writes in its own process."""
     engine = DCPEngine(async_executor=executor)
     base = {f"w{i}": torch.full((4, 3), float(i)) for i in range(20)}
     changes = {"alike": lambda t: t.detach().clone(), "shape": lambda t: t.reshape(3, 4).clone(),
@@ -234,10 +255,12 @@ def test_async_saves_alike_take_their_signature_from_one_check_and_a_changed_ten
                 (tuple(weights["w5"].shape), weights["w5"].dtype, weights["w5"].requires_grad)
     finally:
         engine.close()
+    by_address = executor == "thread" and direct._ADDRESS_OF is not None
+    assert sum(write_at_calls) == (len(base) * len(order) if by_address else 0)
 
 
 def test_sync_saves_write_plain_tensors_from_their_addresses_and_others_as_they_are(tmp_path: Path,
-                                                                                  monkeypatch) -> None:
+                                                                                  write_at_calls: list[int]) -> None:
     """A sync save that needs no plan, on a host that cannot pin memory (none can be pinned),
     takes its signature from one check while its tensors stay alike, and writes contiguous
     host tensors from their addresses: one call of the extension per file (``write_at``), no
@@ -247,17 +270,7 @@ def test_sync_saves_write_plain_tensors_from_their_addresses_and_others_as_they_
     named, and that save leaves no ``.metadata``."""
     if direct._ADDRESS_OF is None or pinning_possible():
         pytest.skip("needs the extension's write_at and torch's data_ptr function, on a host without an accelerator")
-    real, calls = direct.KERNEL, []
-
-    class Counted:  # the extension itself, its write_at calls counted
-        def __getattr__(self, name: str) -> Any:
-            return getattr(real, name)
-
-        def write_at(self, *args: Any) -> float:
-            calls.append(len(args[1]))
-            return real.write_at(*args)
-
-    monkeypatch.setattr(direct, "KERNEL", Counted())
+    calls = write_at_calls
     gen = torch.Generator().manual_seed(0)
     engine = DCPEngine()
     base = {"big0": torch.randn(300_000, generator=gen), "empty": torch.zeros(0, 3),
@@ -467,6 +480,12 @@ def test_flatten_then_unflatten_gives_back_any_nesting_with_its_tensors_under_un
     check()
 
 
+class _Key(str, enum.Enum):
+    """A str subclass key (equal to its value): a state keyed by it is named by its ``str()``."""
+
+    EXP_AVG = "exp_avg"
+
+
 def test_flatten_with_a_memo_reuses_the_paths_of_a_dict_whose_keys_stay_and_only_those() -> None:
     """A state dict whose keys are the last one's, in order (new ``str`` objects, as
     ``state_dict()`` makes them), gets the same path objects back; reordered, renamed, one more
@@ -491,12 +510,17 @@ def test_flatten_with_a_memo_reuses_the_paths_of_a_dict_whose_keys_stay_and_only
     assert list(second) == list(first) and all(a is b for a, b in zip(first, second) if a != SKELETON_KEY)
     assert second[SKELETON_KEY] == first[SKELETON_KEY] and second[SKELETON_KEY]["state"][0] is not \
         first[SKELETON_KEY]["state"][0]  # each save's skeleton its own
+    def typed(obj: Any) -> Any:  # a skeleton with each dict key's type beside it (a str subclass equals its str)
+        return [(type(k), k, typed(v)) for k, v in obj.items()] if isinstance(obj, dict) else obj
+
+    keyed = {i: {_Key.EXP_AVG: d["exp_avg"], "step": d["step"]} for i, d in per_parameter.items()}  # equal keys
     for changed in ({**per_parameter, 20: {"exp_avg": tensors[0]}}, {**per_parameter, 3: {"exp_avg": tensors[3]}},
                     {**per_parameter, 3: {"exp_avg": tensors[3], "step": 1}}, {**per_parameter, "3": {"x": tensors[3]}},
-                    dict(reversed(per_parameter.items())), {**per_parameter, 4: {"exp_avg": tensors[4], "s": tensors[5]}}):
+                    dict(reversed(per_parameter.items())), {**per_parameter, 4: {"exp_avg": tensors[4], "s": tensors[5]}},
+                    per_parameter, keyed, per_parameter, {**per_parameter, 7: {_Key.EXP_AVG: tensors[7]}}):
         got, plain = flatten({"state": changed}, memo), flatten({"state": changed})
         assert list(got.items())[:-1] == list(plain.items())[:-1]
-        assert got[SKELETON_KEY] == plain[SKELETON_KEY]
+        assert typed(got[SKELETON_KEY]) == typed(plain[SKELETON_KEY])
     # the memo keeps this call's dicts only: a prefix new at every save does not pile up
     for step in range(5):
         flatten({f"ema_{step}": sd, "m": sd}, memo)

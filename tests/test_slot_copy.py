@@ -242,14 +242,14 @@ def test_write_puts_each_item_in_the_file_in_order_with_its_crc32c(native, tmp_p
     with open(path, "rb") as f, pytest.raises(OSError, match="Bad file descriptor"):
         write(f.fileno(), array("I", [0] * 3), 3) if how == "write_at" else native.write(f.fileno(), [b"x" * 100],
                                                                                            array("I", [0]))
-    with pytest.raises(ValueError, match="4 bytes per item" if how == "write" else "8 bytes per item and out 4"):
-        write(1, array("I", [0, 0]), 1)
     with open(path, "wb") as f:
+        with pytest.raises(ValueError, match="4 bytes per item" if how == "write" else "8 bytes per item and out 4"):
+            write(f.fileno(), array("I", [0, 0]), 1)
         if how == "write":
             for bad in (3, memoryview(source.numpy()[::2])):
                 with pytest.raises((TypeError, BufferError, ValueError)):
                     native.write(f.fileno(), [b"ok", bad], array("I", [0, 0]))
         else:
-            with pytest.raises(ValueError, match="8 bytes per item and out 4"):
+            with pytest.raises(ValueError, match=r"8 bytes per item and out 4 \(got 16, 24 and 8 bytes\)"):
                 native.write_at(f.fileno(), addresses[:2], array("Q", sizes[:3]), array("I", [0, 0]))
     assert path.read_bytes() == b""

@@ -630,8 +630,12 @@ static PyObject *py_write_at(PyObject *self, PyObject *args) {
     if (!kernel_ready("write_at")) return NULL;
     if (!PyArg_ParseTuple(args, "iy*y*w*:write_at", &fd, &addresses, &sizes, &out)) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t count = items_of("write_at", "addresses and sizes", &addresses, &sizes, &sizes, &out);
-    if (count >= 0) result = written(fd, addresses.buf, sizes.buf, count, &out);
+    Py_ssize_t count = out.len / 4;
+    if (out.len % 4 || addresses.len != count * 8 || sizes.len != count * 8)
+        PyErr_Format(PyExc_ValueError, "_crc32c_copy.write_at: addresses and sizes need 8 bytes per item and out 4 "
+                     "(got %zd, %zd and %zd bytes)", addresses.len, sizes.len, out.len);
+    else
+        result = written(fd, addresses.buf, sizes.buf, count, &out);
     PyBuffer_Release(&addresses);
     PyBuffer_Release(&sizes);
     PyBuffer_Release(&out);

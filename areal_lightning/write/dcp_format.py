@@ -202,7 +202,7 @@ _DICT = {dict}
 _KEYS = {str, int}
 
 
-def flatten(state: Mapping[str, Any], memo: dict[str, tuple[list[str], list[str]]] | None = None) -> dict[str, Any]:
+def flatten(state: Mapping[str, Any], memo: dict[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
     """Flat DCP dict: ``{dotted path: tensor}`` plus the skeleton under ``SKELETON_KEY``.
 
     The skeleton is a point-in-time copy of every non-tensor value, taken now in the
@@ -266,14 +266,14 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[list[str], list[str]
         if not all(map(isinstance, values, repeat(tensor_type))):
             return None
         outer, names = list(obj), list(map(tuple, inner))
+        if not set(map(type, chain.from_iterable(names))) <= _STR:
+            return None  # (checked before the memo: a str subclass equals the str it was)
         seen = memo.get(prefix) if memo is not None else None
         if memo is not None:
             used.add(prefix)
         if seen is not None and seen[0] == "nested" and seen[1] == outer and seen[2] == names:
             children, template = seen[3], seen[4]
         else:
-            if not set(map(type, chain.from_iterable(names))) <= _STR:
-                return None
             children = [f"{prefix}{key}.{name}" for key, keys in zip(outer, names) for name in keys]
             if len(set(children)) != len(children):
                 return None  # two paths alike (1 and "1", or dotted keys): walk names them
