@@ -300,6 +300,16 @@ def test_sync_saves_write_plain_tensors_from_their_addresses_and_others_as_they_
         engine.save({"state_dict": ends}, tmp_path / "ends")
         loaded = engine.load(tmp_path / "ends")["state_dict"]
         assert all(torch.equal(loaded[k], v) and loaded[k].shape == v.shape for k, v in ends.items())
+        # the same alone in the second file, by the per-tensor path (a view that is not contiguous):
+        # the last release failed this save with EIO
+        square = torch.randn(480, 480, generator=gen)
+        for last in ({"a": torch.randn(1 << 18, generator=gen), "c": torch.randn(230_000, generator=gen),
+                      "b": torch.empty(0)},
+                     {"a": square.t(), "c": torch.randn(230_000, generator=gen), "b": torch.empty(0)}):
+            engine.save({"state_dict": last}, tmp_path / "last")
+            loaded = engine.load(tmp_path / "last")["state_dict"]
+            assert all(torch.equal(loaded[k], v) and loaded[k].shape == v.shape for k, v in last.items())
+            engine.remove(tmp_path / "last")
         weights = {k: v.detach() for k, v in base.items()}
         engine.save({"state_dict": weights}, tmp_path / "alike")
         weights["w7"].untyped_storage().resize_(0)  # its data freed; the check still finds it alike
