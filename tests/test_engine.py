@@ -663,13 +663,14 @@ def test_a_flipped_byte_anywhere_is_caught_at_load_naming_file_and_key(tmp_path:
     # a .metadata whose recorded length of an item is not its tensor's size: refused by name
     pristine_md = (path / ".metadata").read_bytes()
     name, _, length, key = next(item for item in items if item[3] != SKELETON_KEY and item[2] > 4)
-    damaged_md = FileSystemReader(path).read_metadata()
-    for index, info in damaged_md.storage_data.items():
-        if index.fqn == key:
-            info.length -= 4
-    (path / ".metadata").write_bytes(pickle.dumps(damaged_md))
-    with pytest.raises(CheckpointCorruptError, match=f"{path / name}: {key!r} is recorded as {length - 4} bytes"):
-        engine.load(path, template=state)
+    for recorded in (length - 4, -4):  # short, and no byte count at all
+        damaged_md = FileSystemReader(path).read_metadata()
+        for index, info in damaged_md.storage_data.items():
+            if index.fqn == key:
+                info.length = recorded
+        (path / ".metadata").write_bytes(pickle.dumps(damaged_md))
+        with pytest.raises(CheckpointCorruptError, match=f"{path / name}: {key!r} is recorded as {recorded} bytes"):
+            engine.load(path, template=state)
     (path / ".metadata").write_bytes(pristine_md)
     shard = path / items[-1][0]
     with open(shard, "r+b") as f:

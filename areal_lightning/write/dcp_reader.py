@@ -335,8 +335,12 @@ class AdoptingReader(FileSystemReader):
         extension (:data:`ONE_PASS_READ`), the GIL released; then each CRC32C compared with the
         recorded one (unless the file is one of :attr:`checked_files`)."""
         infos, _, dests = zip(*batch)
-        sizes = array("Q", map(_LENGTH, infos))
-        if array("Q", map(_NBYTES, dests)) != sizes:
+        try:
+            sizes = array("Q", map(_LENGTH, infos))
+            same = array("Q", map(_NBYTES, dests)) == sizes
+        except (OverflowError, TypeError):  # a recorded length that is no byte count at all
+            same = False
+        if not same:
             for info, key, dest in batch:
                 _check_length(path, key, info, dest)
         # (whole_reads refused a destination whose storage holds fewer bytes than it spans: each
