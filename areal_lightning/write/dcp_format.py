@@ -245,7 +245,8 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[Any, ...]] | None = 
             children = list(map(prefix.__add__, obj))
             if memo is not None:
                 memo[prefix] = ("bulk", names, children)
-        if not tensors.keys().isdisjoint(children) or SKELETON_KEY.startswith(prefix) and SKELETON_KEY in children:
+        if tensors and not tensors.keys().isdisjoint(children) \
+                or SKELETON_KEY.startswith(prefix) and SKELETON_KEY in children:
             return None
         tensors.update(zip(children, obj.values()))
         out = cls.fromkeys(obj, UNNAMED)
