@@ -507,12 +507,17 @@ def test_flatten_with_a_memo_reuses_the_paths_of_a_dict_whose_keys_stay_and_only
     second = flatten({"m": {k[:1] + k[1:]: v for k, v in sd.items()}, "n": 1}, memo)
     assert list(second) == list(first) and all(a is b for a, b in zip(first, second) if a != SKELETON_KEY)
     renamed = {("l3.x" if k == "l3.w" else k): v for k, v in sd.items()}
+    moved = OrderedDict(sd)
+    moved.move_to_end("l3.w")  # its order no longer its underlying dict's
+    moved.move_to_end("l0.w", last=False)
     for changed in (dict(reversed(sd.items())), renamed, {**sd, "l20.w": tensors[20]},
-                    {k: v for k, v in sd.items() if k != "l19.w"}, {**sd, 5: tensors[20]}, OrderedDict(sd)):
+                    {k: v for k, v in sd.items() if k != "l19.w"}, {**sd, 5: tensors[20]}, OrderedDict(sd), moved):
         got = flatten({"m": changed, "n": 1}, memo)
         plain = flatten({"m": changed, "n": 1})
         assert list(got.items())[:-1] == list(plain.items())[:-1], changed.keys()
         assert type(got[SKELETON_KEY]["m"]) is type(changed) and list(got[SKELETON_KEY]["m"]) == list(changed)
+        if 5 not in changed:  # taken whole: each tensor under its path, in the dict's own order
+            assert [(k, v) for k, v in got.items() if k != SKELETON_KEY] == [(f"m.{k}", v) for k, v in changed.items()]
     # an optimizer's state per parameter: the same paths while its keys stay; changed, as without the memo
     per_parameter = {i: {"exp_avg": tensors[i], "step": tensors[20]} for i in range(20)}
     first = flatten({"state": per_parameter}, memo)

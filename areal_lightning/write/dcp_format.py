@@ -232,24 +232,30 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[Any, ...]] | None = 
         # of an OrderedDict sets item by item in Python), with the attributes copy.copy copies
         # (a state dict's _metadata).
         cls = type(obj)
-        if cls is not dict and cls is not OrderedDict or set(map(type, obj)) != _STR \
-                or not all(map(isinstance, obj.values(), repeat(tensor_type))):
+        if cls is not dict and cls is not OrderedDict:
             return None
-        seen = names = None
+        names = list(obj)
+        # an OrderedDict's values in its order: its dict's (a plain dict's iteration, without a
+        # lookup per key) where that is the same order (it differs after a move_to_end)
+        values = list(dict.values(obj)) if cls is dict or names == list(dict.keys(obj)) \
+            else list(map(obj.__getitem__, names))
+        if set(map(type, names)) != _STR or not all(map(isinstance, values, repeat(tensor_type))):
+            return None
+        seen = None
         if memo is not None:
-            names, seen = list(obj), memo.get(prefix)
+            seen = memo.get(prefix)
             used.add(prefix)
         if seen is not None and seen[0] == "bulk" and seen[1] == names:  # equal strs: the same paths
             children = seen[2]
         else:
-            children = list(map(prefix.__add__, obj))
+            children = list(map(prefix.__add__, names))
             if memo is not None:
                 memo[prefix] = ("bulk", names, children)
         if tensors and not tensors.keys().isdisjoint(children) \
                 or SKELETON_KEY.startswith(prefix) and SKELETON_KEY in children:
             return None
-        tensors.update(zip(children, obj.values()))
-        out = cls.fromkeys(obj, UNNAMED)
+        tensors.update(zip(children, values))
+        out = cls.fromkeys(names, UNNAMED)
         if cls is OrderedDict:
             out.__dict__.update(obj.__dict__)
         return out
