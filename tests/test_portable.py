@@ -218,6 +218,25 @@ def _same_files(a: Path, b: Path) -> None:
         assert (a / p.name).read_bytes() == p.read_bytes(), p.name
 
 
+def test_a_recover_save_before_the_first_export_records_the_config_the_export_writes(tmp_path, tokenizer) -> None:
+    """``save_pretrained`` stamps the live config with its dtype and architectures. A recover
+    save before the first export (step 1) and the saves after it record one folder per model,
+    whose ``config.json`` is the export's: the folders do not depend on whether (or, with a
+    background export, how far) an export ran before (it made a second folder for the exported
+    model, an order the actor-critic test met now and then in CI)."""
+    from areal_lightning import HFSaverCallback, RecoverCallback
+
+    common = dict(fileroot=str(tmp_path), experiment_name="exp", trial_name="t", user="u")
+    callbacks = [HFSaverCallback(**common, freq_steps=2), RecoverCallback(**common, freq_steps=1)]
+    make_trainer(callbacks, max_steps=4).fit(_ActorCritic(tokenizer), token_loader())
+    trial = tmp_path / TRIAL
+    recorded = json.loads((trial / "recover_info" / "checkpoint_info.json").read_text())["hf_models"]
+    assert sorted(p.name for p in (trial / "recover_hf").iterdir()) == \
+        sorted(Path(entry["files"]).name for entry in recorded.values())  # one per model, the ones recorded
+    export = _newest_export(trial / "default")
+    assert (trial / recorded["default"]["files"] / "config.json").read_bytes() == (export / "config.json").read_bytes()
+
+
 def test_convert_of_an_actor_and_its_critic_each_equals_its_export(tmp_path, tokenizer) -> None:
     from areal_lightning import HFSaverCallback, RecoverCallback, convert
 

@@ -15,8 +15,10 @@ from typing import Any
 
 from areal_lightning.capture.hf_meta import MODEL_FILE, HFModelEntry
 from areal_lightning.capture.hf_weights import model_class, model_dtype
+from areal_lightning._torch_internals import PEFT_LOADED_FLAG
 from areal_lightning.commit.atomic import write_json
 from areal_lightning.layout import RECOVER_HF, tmp_sibling
+from areal_lightning.write.hf import save_hf_metadata
 from areal_lightning.write.durable import fsync_dir
 
 __all__ = ["HFMetaRecorder"]
@@ -26,10 +28,16 @@ log = logging.getLogger(__name__)
 
 def _write_files(entry: HFModelEntry, folder: Path) -> None:
     model = entry.model
-    model.config.save_pretrained(folder)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
-        generation.save_pretrained(folder)
+    if getattr(model, PEFT_LOADED_FLAG, False):  # save_pretrained would write the adapter's config
+        model.config.save_pretrained(folder)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
+            generation.save_pretrained(folder)
+    else:
+        # as an export writes them: save_pretrained stamps the config with the model's dtype and
+        # class first, so a config written from the live one before the first export differs
+        # from one written after it (a second folder, and convert's config.json not the export's)
+        save_hf_metadata(model, folder)
     if entry.tokenizer is not None:
         entry.tokenizer.save_pretrained(folder)
     cls = model_class(model)

@@ -33,7 +33,7 @@ from areal_lightning.layout import (
     HF_WEIGHTS,
 )
 
-__all__ = ["write_hf", "write_peft", "save_tokenizer", "write_hf_dcp", "HFFilePlan", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["write_hf", "write_peft", "save_tokenizer", "save_hf_metadata", "write_hf_dcp", "HFFilePlan", "DEFAULT_MAX_SHARD_SIZE"]
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def _check_consolidated(folder: Path, plan: HFFilePlan, expected: Mapping[str, t
                                            f"{info['shape']} {info['dtype']}, expected {list(want.shape)} {want.dtype}")
 
 
-def _save_hf_metadata(model: Any, folder: Path) -> None:
+def save_hf_metadata(model: Any, folder: Path) -> None:
     """config.json (+ generation_config.json, remote code) exactly as ``save_pretrained``
     writes them: ``save_pretrained`` with an empty state dict writes no weight file. It runs
     in a subfolder (it deletes ``model-*-of-*`` files it did not write) whose files are
@@ -269,6 +269,6 @@ def write_hf_dcp(
     if dist.get_rank(process_group) != 0:
         return
     _finish_dcp_folder(folder, plan, extras, {**shards, **extras}, int(model.num_parameters()))
-    _save_hf_metadata(model, folder)
+    save_hf_metadata(model, folder)
     save_tokenizer(folder, tokenizer)
     log.debug("wrote HF checkpoint (DCP, %d files) to %s", plan.files, folder)
