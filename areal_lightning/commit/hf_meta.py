@@ -53,6 +53,12 @@ def _digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _key(entry: HFModelEntry) -> tuple[Any, ...]:
+    """What the files of ``entry``'s folder are made from: its config, its tokenizer."""
+    return (entry.model.config.to_json_string(), id(entry.tokenizer),
+            len(entry.tokenizer) if entry.tokenizer is not None else None)
+
+
 class HFMetaRecorder:
     """Writes the ``recover_hf/{digest}/`` folders of a trial (rank 0) and describes them."""
 
@@ -64,11 +70,12 @@ class HFMetaRecorder:
         """``checkpoint_info.json``'s ``hf_models`` for a save taken now; writes new folders."""
         described: dict[str, dict[str, Any]] = {}
         for entry in entries:
-            key = (entry.model.config.to_json_string(), id(entry.tokenizer),
-                   len(entry.tokenizer) if entry.tokenizer is not None else None)
             known = self._known.get(entry.name)
-            digest = known[1] if known is not None and known[0] == key else self._write(entry)
-            self._known[entry.name] = (key, digest)
+            if known is not None and known[0] == _key(entry):
+                digest = known[1]
+            else:  # (the key read after the write: save_pretrained stamps the config while it writes)
+                digest = self._write(entry)
+                self._known[entry.name] = (_key(entry), digest)
             described[entry.name] = {"attr": entry.attr, "prefix": entry.prefix,
                                      "max_shard_size": entry.max_shard_size,
                                      "files": f"{RECOVER_HF}/{digest}"}

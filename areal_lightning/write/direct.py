@@ -68,7 +68,7 @@ from areal_lightning.write.dcp_format import SKELETON_KEY, save_skeleton
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, tensor_bytes
 
-__all__ = ["ByteLayout", "signature", "Signatures", "TensorSource", "tensors_of", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
+__all__ = ["ByteLayout", "signature", "Signatures", "TensorSource", "tensors_of", "freed_tensor", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
 
 SMALL = 1 << 20
 """Tensors of fewer bytes than this share one file (see :class:`ByteLayout`)."""
@@ -286,10 +286,17 @@ class TensorSource:
         if KERNEL.addresses(_ADDRESS_OF, torch.Tensor, self._values, positions, out) >= 0:
             for address, size, item in zip(out, sizes, items):
                 if not address and size:
-                    raise CheckpointWriteError(
-                        f"save: the tensor '{item.key}' has no storage to write (data_ptr() is 0: its data was freed, "
-                        "e.g. by untyped_storage().resize_(0)); save a state whose tensors hold their values")
+                    raise freed_tensor(item.key, "save", "write")
         return out
+
+
+def freed_tensor(key: str, what: str, verb: str) -> CheckpointWriteError:
+    """The error for the tensor ``key`` of a ``what`` (a save, the memory tier) whose data was
+    freed: its address is 0 (to ``verb`` from it would crash the process, or, to the one-pass
+    copy, mean "no source")."""
+    return CheckpointWriteError(
+        f"{what}: the tensor '{key}' has no storage to {verb} (data_ptr() is 0: its data was freed, e.g. by "
+        "untyped_storage().resize_(0)); save a state whose tensors hold their values")
 
 
 def tensors_of(flat: Mapping[str, Any], plain: bool = False) -> TensorSource:

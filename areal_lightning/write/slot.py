@@ -51,7 +51,7 @@ from areal_lightning._torch_internals import DATA_PTR_FUNCTION, DATA_SUFFIX, cop
 from areal_lightning.errors import CheckpointWriteError
 from areal_lightning.stage.host import register_host, unregister_host
 from areal_lightning.write.checksum import ITEM_CHECKSUM, KERNEL as _crc32c_copy, Written, crc32c, one_pass
-from areal_lightning.write.direct import ByteLayout, write_metadata
+from areal_lightning.write.direct import ByteLayout, freed_tensor, write_metadata
 from areal_lightning.write.raw import tensor_bytes
 
 __all__ = ["SlotFile", "PendingCopy", "DATA_FILE", "COPY_THREADS", "FUSED"]
@@ -212,11 +212,8 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 def _no_storage(key: str) -> CheckpointWriteError:
-    """The error for the tensor ``key`` of a save whose data was freed: its address is 0 (a
-    copy from it would crash the process, or, to the one-pass copy, mean "no source")."""
-    return CheckpointWriteError(
-        f"memory tier: the tensor '{key}' has no storage to copy (data_ptr() is 0: its data was freed, e.g. by "
-        "untyped_storage().resize_(0)); save a state whose tensors hold their values")
+    """:func:`~areal_lightning.write.direct.freed_tensor` of the memory tier's copy."""
+    return freed_tensor(key, "memory tier", "copy")
 
 
 def _refuse_freed(keys: list[str], addresses: Any) -> None:
