@@ -332,14 +332,21 @@ def _save_into(path: Path, state: dict, layout: "direct.ByteLayout | None" = Non
     return layout
 
 
-def test_repeated_saves_into_one_folder_write_metadata_from_its_pickle_made_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("patch", ["extension", "indexed-copy"])
+def test_repeated_saves_into_one_folder_write_metadata_from_its_pickle_made_once(tmp_path: Path, monkeypatch,
+                                                                                   patch) -> None:
     """From the second save of a layout into the same folder (the memory tier's slots), ``.metadata``
-    is the layout's pickle with this save's checksums, skeleton length and save id written in:
-    it unpickles to what pickling the ``Metadata`` again gives, stock DCP's reader reads it, and
-    our loader checks every item's checksum against the bytes; the manifest (its data files' part
-    made once per layout) lists every file's size as written."""
+    is the layout's pickle with this save's checksums, skeleton length and save id written in
+    (by the extension's ``patch``, or by the indexed copy where it is not built): it unpickles to
+    what pickling the ``Metadata`` again gives, stock DCP's reader reads it, and our loader checks
+    every item's checksum against the bytes; the manifest (its data files' part made once per
+    layout) lists every file's size as written."""
     from areal_lightning.write.checksum import ALGORITHM, ITEM_CHECKSUM, file_crc32c
 
+    if patch == "extension" and direct._PATCH is None:
+        pytest.skip("the compiled extension (with patch) is not built here")
+    if patch == "indexed-copy":
+        monkeypatch.setattr(direct, "_PATCH", None)
     engine = DCPEngine()
     layout = None
     for step, grown in ((1, 0), (2, 40), (3, 7)):

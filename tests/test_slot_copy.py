@@ -95,6 +95,46 @@ def test_one_pass_copy_arguments_of_the_wrong_sizes_are_refused(native) -> None:
         native.copy(array("Q", [1]), array("Q", [1]), array("Q", [1]), b"read-only")
 
 
+def test_patch_writes_each_records_attribute_at_its_position_and_refuses_what_it_cannot(native) -> None:
+    """``patch`` (the CRC32Cs of a ``.metadata`` pickled once, see ``direct.PickledMetadata``):
+    each record's attribute as 4 little-endian bytes at its position, nothing else changed; a
+    value that is not an int under 2**32, a missing attribute, a position past the buffer or
+    positions not one per record raise (bounds checked before anything is written)."""
+
+    class Record:
+        pass
+
+    rng = random.Random(1)
+    records = [Record() for _ in range(50)]
+    for record in records:
+        record.crc = rng.randrange(1 << 32)
+    records[0].crc, records[1].crc = 0, (1 << 32) - 1
+    positions = rng.sample(range(0, 1000, 5), len(records))  # apart, unaligned
+    buffer = bytearray(rng.randbytes(1004))
+    expected = bytearray(buffer)
+    for at, record in zip(positions, records):
+        expected[at:at + 4] = record.crc.to_bytes(4, "little")
+    native.patch(buffer, array("Q", positions), records, "crc")
+    assert buffer == expected
+    for bad, error, message in ((1 << 32, ValueError, "record 3's crc is not an int under 2\\*\\*32"),
+                                (-1, ValueError, "record 3's crc is not an int"),
+                                (7.0, ValueError, "record 3's crc is not an int"),
+                                (None, AttributeError, "crc")):
+        odd = [*records[:3], Record(), *records[4:]]
+        if bad is not None:
+            odd[3].crc = bad
+        with pytest.raises(error, match=message):
+            native.patch(bytearray(buffer), array("Q", positions), odd, "crc")
+    untouched = bytearray(buffer)
+    with pytest.raises(ValueError, match="position 49 .1001. \\+ 4 is past the buffer's 1004 bytes"):
+        native.patch(untouched, array("Q", [*positions[:-1], 1001]), records, "crc")
+    assert untouched == buffer
+    with pytest.raises(ValueError, match="8 bytes per record"):
+        native.patch(bytearray(buffer), array("Q", positions[:-1]), records, "crc")
+    with pytest.raises(TypeError):
+        native.patch(bytes(buffer), array("Q", positions), records, "crc")
+
+
 def test_addresses_reads_each_picked_tensors_data_ptr_and_names_the_first_freed_one(native) -> None:
     """``addresses`` (torch's exported data_ptr function, called from C): every picked tensor's
     ``data_ptr()``, storage offsets, any order and repeats included; the position of the first

@@ -642,6 +642,59 @@ static PyObject *py_write_at(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* patch(buffer, positions, records, name): for each i, the int attribute `name` of records[i]
+ * (under 2**32: a CRC32C) written as 4 little-endian bytes at buffer[positions[i]] (positions:
+ * 8 bytes each, every one + 4 within the buffer; checked before anything is written). One call
+ * instead of reading 2,000 records' attributes into an array and scattering its bytes by an
+ * indexed copy (see direct.py PickledMetadata). */
+static PyObject *py_patch(PyObject *self, PyObject *args) {
+    Py_buffer buffer, positions;
+    PyObject *records, *name;
+    if (!PyArg_ParseTuple(args, "w*y*O!U:patch", &buffer, &positions, &PyList_Type, &records, &name)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = positions.len / 8;
+    const uint64_t *at = positions.buf;
+    unsigned char *out = buffer.buf;
+    records = PyList_AsTuple(records); /* an attribute read runs Python code that could change a list */
+    if (records == NULL) goto done;
+    if (positions.len % 8 || count != PyTuple_GET_SIZE(records)) {
+        PyErr_Format(PyExc_ValueError, "_crc32c_copy.patch: positions need 8 bytes per record (got %zd bytes for %zd "
+                     "records)", positions.len, PyTuple_GET_SIZE(records));
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (buffer.len < 4 || at[i] > (uint64_t)(buffer.len - 4)) {
+            PyErr_Format(PyExc_ValueError, "_crc32c_copy.patch: position %zd (%llu) + 4 is past the buffer's %zd bytes",
+                         i, (unsigned long long)at[i], buffer.len);
+            goto done;
+        }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *value = PyObject_GetAttr(PyTuple_GET_ITEM(records, i), name);
+        if (value == NULL) goto done;
+        unsigned long long v = PyLong_Check(value) ? PyLong_AsUnsignedLongLong(value) : (unsigned long long)-1;
+        Py_DECREF(value);
+        if (v > 0xFFFFFFFFULL) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "_crc32c_copy.patch: record %zd's %U is not an int under 2**32", i, name);
+            }
+            goto done;
+        }
+        unsigned char *p = out + at[i];
+        p[0] = (unsigned char)v;
+        p[1] = (unsigned char)(v >> 8);
+        p[2] = (unsigned char)(v >> 16);
+        p[3] = (unsigned char)(v >> 24);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    Py_XDECREF(records);
+    PyBuffer_Release(&buffer);
+    PyBuffer_Release(&positions);
+    return result;
+}
+
 static PyObject *py_supported(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(cpu_ok);
 }
@@ -661,6 +714,9 @@ static PyMethodDef methods[] = {
      "write(fd, items, out): write each item's bytes and its CRC32C (see the module source)."},
     {"write_at", py_write_at, METH_VARARGS,
      "write_at(fd, addresses, sizes, out): write() of the bytes at the given addresses (see the module source)."},
+    {"patch", py_patch, METH_VARARGS,
+     "patch(buffer, positions, records, name): each record's int attribute as 4 little-endian bytes at its position "
+     "(see the module source)."},
     {"supported", py_supported, METH_NOARGS, "Whether this CPU runs copy()."},
     {"stream_min", py_stream_min, METH_NOARGS, "Bytes from which a copy() call streams its stores past the caches."},
     {NULL, NULL, 0, NULL},

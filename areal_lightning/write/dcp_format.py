@@ -246,7 +246,7 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[Any, ...]] | None = 
             seen = memo.get(prefix)
             used.add(prefix)
         if seen is not None and seen[0] == "bulk" and seen[1] == names:  # equal strs: the same paths
-            children = seen[2]
+            names, children = seen[1], seen[2]  # (the remembered keys: their hashes computed once)
         else:
             children = list(map(prefix.__add__, names))
             if memo is not None:
@@ -328,7 +328,8 @@ def flatten(state: Mapping[str, Any], memo: dict[str, tuple[Any, ...]] | None = 
     if memo is not None and len(memo) > len(used):
         for prefix in memo.keys() - used:
             del memo[prefix]
-    return {**tensors, SKELETON_KEY: skeleton}
+    tensors[SKELETON_KEY] = skeleton  # (no tensor is under that key: every way in refuses it)
+    return tensors
 
 
 def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor], path: tuple[str, ...] = ()) -> Any:
