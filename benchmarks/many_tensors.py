@@ -12,7 +12,8 @@ state), written and read by each method; medians over interleaved repeats, after
 save per method (a training run's saves after the first reuse DCP's cached plan; one engine
 per count, so the 20- and 2,000-tensor saves do not evict each other's cached layout):
 
-  dcp_sync     ``DCPEngine.save``: durable and committed when it returns
+  dcp_sync     ``DCPEngine.save``: durable and committed when it returns, each into a new folder
+               beside the last one's (as a run's recover saves: ``.tmp-recover_checkpoint-{gen}``)
   dcp_load     ``DCPEngine.load`` into a template of the same tensors (what a resume does)
   torch_save   ``torch.save`` of the same dict + fsync (the peer)
   torch_load   ``torch.load`` of it
@@ -129,17 +130,19 @@ def measure(mb: int, counts: list[int], repeats: int, workdir: Path,
         tiers[count].wait()
 
     for count in counts:  # warm-up: plans cached, files exist, the slots mapped
-        engines[count].save(states[count], workdir / f"dcp{count}")
+        for n in range(2):
+            engines[count].save(states[count], workdir / f"dcp{count}" / f"warm{n}")
         _fsynced_save(states[count], workdir / f"t{count}.pt")
         for _ in range(2):
             sealed(count)
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for count in counts:
-            dcp, pt = workdir / f"dcp{count}", workdir / f"t{count}.pt"
+            # each save into a new folder beside the last one's, as a run's recover saves go
+            dcp, pt = workdir / f"dcp{count}" / f"save{repeat}", workdir / f"t{count}.pt"
             row = times[count]
-            shutil.rmtree(dcp)
             row["dcp_sync"].append(_timed(lambda: engines[count].save(states[count], dcp)))
             row["dcp_load"].append(_timed(lambda: engines[count].load(dcp, template=templates[count])))
+            shutil.rmtree(dcp)
             row["torch_save"].append(_timed(lambda: _fsynced_save(states[count], pt)))
             row["torch_load"].append(_timed(lambda: torch.load(pt, weights_only=True)))
             row["memory_copy"].append(_timed(lambda: slot(count)))

@@ -332,15 +332,25 @@ def _save_into(path: Path, state: dict, layout: "direct.ByteLayout | None" = Non
     return layout
 
 
+# a training run's saves: each into a new folder beside the last (``.tmp-recover_checkpoint-{gen}``),
+# names of every length a file system takes (255 bytes: a pickled str of one length byte) and
+# not ASCII; or all into one folder (the memory tier's slots)
+_SIBLINGS = [".tmp-recover_checkpoint-1", ".tmp-recover_checkpoint-10", "x", "é" * 127, "n" * 255,
+             ".tmp-recover_checkpoint-11"]
+
+
 @pytest.mark.parametrize("patch", ["extension", "indexed-copy"])
-def test_repeated_saves_into_one_folder_write_metadata_from_its_pickle_made_once(tmp_path: Path, monkeypatch,
-                                                                                   patch) -> None:
-    """From the second save of a layout into the same folder (the memory tier's slots), ``.metadata``
-    is the layout's pickle with this save's checksums, skeleton length and save id written in
-    (by the extension's ``patch``, or by the indexed copy where it is not built): it unpickles to
-    what pickling the ``Metadata`` again gives, stock DCP's reader reads it, and our loader checks
-    every item's checksum against the bytes; the manifest (its data files' part made once per
-    layout) lists every file's size as written."""
+@pytest.mark.parametrize("folders", ["one", "siblings"])
+def test_repeated_saves_write_metadata_from_its_pickle_made_once(tmp_path: Path, monkeypatch, patch,
+                                                                 folders) -> None:
+    """From the second save of a layout into the same folder (the memory tier's slots), or into
+    a folder beside the last one's (a run's recover saves), ``.metadata`` is the layout's pickle
+    with this save's checksums, skeleton length, save id and folder written in (the checksums by
+    the extension's ``patch``, or by the indexed copy where it is not built): it unpickles (by
+    Python's own unpickler, which checks every frame's length) to what pickling the ``Metadata``
+    again gives, stock DCP's reader reads it, and our loader checks every item's checksum against
+    the bytes; the manifest (its data files' part made once per layout) lists every file's size
+    as written. Elsewhere (another parent folder) it is pickled again, then reused there."""
     from areal_lightning.write.checksum import ALGORITHM, ITEM_CHECKSUM, file_crc32c
 
     if patch == "extension" and direct._PATCH is None:
@@ -349,25 +359,34 @@ def test_repeated_saves_into_one_folder_write_metadata_from_its_pickle_made_once
         monkeypatch.setattr(direct, "_PATCH", None)
     engine = DCPEngine()
     layout = None
-    for step, grown in ((1, 0), (2, 40), (3, 7)):
+    steps = [(1, 0), (2, 40), (3, 7), (4, 7), (5, 0), (6, 3)]
+    names = _SIBLINGS if folders == "siblings" else ["slot"] * len(steps)
+    parents = [tmp_path] * 4 + [tmp_path / "elsewhere"] * 2
+    for (step, grown), name, parent in zip(steps, names, parents):
+        folder = parent / name
+        folder.parent.mkdir(exist_ok=True)
         written = direct.Written()
-        layout = _save_into(tmp_path / "slot", _state(step, grown), layout, written)
-        files = sorted(path for path in (tmp_path / "slot").iterdir())
+        layout = _save_into(folder, _state(step, grown), layout, written)
+        files = sorted(path for path in folder.iterdir())
         assert set(written.files) == {path.name for path in files}
         assert {name: entry["size"] for name, entry in written.files.items()} == \
             {path.name: path.stat().st_size for path in files}
-        assert written.files[COMMIT_MARKER][ALGORITHM] == file_crc32c(tmp_path / "slot" / COMMIT_MARKER)
-        assert (layout._pickled[2] is not None) == (step > 1)  # made at the second save
-        ours = FileSystemReader(tmp_path / "slot").read_metadata()
+        assert written.files[COMMIT_MARKER][ALGORITHM] == file_crc32c(folder / COMMIT_MARKER)
+        assert (layout._pickled[2] is not None) == (step not in (1, 5))  # made at the second save in a parent
+        ours = FileSystemReader(folder).read_metadata()
+        strict = pickle._Unpickler(io.BytesIO((folder / COMMIT_MARKER).read_bytes())).load()
         fresh = pickle.loads(pickle.dumps(layout.metadata))
-        assert ours.state_dict_metadata == fresh.state_dict_metadata and ours.version == fresh.version
+        assert ours.state_dict_metadata == fresh.state_dict_metadata == strict.state_dict_metadata
+        assert ours.version == fresh.version == strict.version
+        assert ours.storage_meta.checkpoint_id == strict.storage_meta.checkpoint_id == folder
+        assert type(ours.storage_meta.checkpoint_id) is type(folder)
         assert (ours.storage_meta.checkpoint_id, ours.storage_meta.save_id) == \
-            (fresh.storage_meta.checkpoint_id, fresh.storage_meta.save_id) != (tmp_path / "slot", direct._SAVE_ID_SENTINEL)
+            (fresh.storage_meta.checkpoint_id, fresh.storage_meta.save_id) != (folder, direct._SAVE_ID_SENTINEL)
         records = {index: (info.relative_path, info.offset, info.length, info.transform_descriptors,
                            getattr(info, ITEM_CHECKSUM)) for index, info in fresh.storage_data.items()}
         assert {index: (info.relative_path, info.offset, info.length, info.transform_descriptors,
                         getattr(info, ITEM_CHECKSUM)) for index, info in ours.storage_data.items()} == records
-        loaded = engine.load(tmp_path / "slot")  # every item's CRC32C checked as it is read
+        loaded = engine.load(folder)  # every item's CRC32C checked as it is read
         expected = _state(step, grown)
         for key, tensor in expected["state_dict"].items():
             assert torch.equal(loaded["state_dict"][key], tensor)
