@@ -55,13 +55,19 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.hparams.get("outside"):
+            loss = loss + 0 * self.outside[0].sum()  # stepped with no gradient: it stays 0
         self.losses[self.trainer.global_step + 1] = loss.item().hex()
         return loss
 
     def configure_optimizers(self):
         if self.use_estimated:
             assert self.trainer.estimated_stepping_batches > 0  # Lightning issue #20550
-        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        params = list(self.parameters())
+        if self.hparams.get("outside"):  # a parameter the optimizer steps that is not the module's
+            self.outside = [torch.nn.Parameter(torch.zeros(3))]  # (a list: not registered)
+            params += self.outside
+        opt = torch.optim.AdamW(params, lr=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -341,6 +347,19 @@ def test_recover_info_is_json_and_describes_the_checkpoint(tmp_path) -> None:
     assert set(ckpt["files"]) == files and ".metadata" in files
     assert info["dataloader_info.json"]["batches_done"] == 4
     assert info["dataloader_info.json"]["loaders"][0]["class"] == "DataLoader"
+
+
+@pytest.mark.parametrize("outside", [False, True], ids=["module-parameters", "a-parameter-outside-the-module"])
+def test_optimizer_states_are_keyed_by_name_unless_a_parameter_has_none(tmp_path, outside) -> None:
+    """Every optimizer state keyed by parameter name (any strategy family resumes it), unless
+    the optimizer steps a parameter outside the LightningModule: then by position, as Lightning
+    keys it, and ``checkpoint_info.json`` says which; both resume exactly."""
+    interrupted_equals_uninterrupted(tmp_path, crash_at=6, module_kwargs={"outside": outside})
+    ckpt = json.loads((trial(tmp_path / "run") / "recover_info" / "checkpoint_info.json").read_text())
+    assert ckpt["optimizer_keys"] == ("index" if outside else "names")
+    loaded = DCPCheckpointIO().load_checkpoint(trial(tmp_path / "run") / "default" / "recover_checkpoint")
+    keys = set(loaded["optimizer_states"][0]["state"])
+    assert keys == ({0, 1, 2, 3, 4} if outside else {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"})
 
 
 # -- modes, validation, wiring ----------------------------------------------------------------

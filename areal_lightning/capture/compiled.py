@@ -31,6 +31,8 @@ def uncompiled(module: Any) -> Any:
 
 def plain_name(name: str) -> str:
     """A state-dict key without the ``_orig_mod.`` segments ``torch.compile`` adds."""
+    if COMPILED_SEGMENT not in name:  # (every key of a run without torch.compile: called per key, per save)
+        return name
     return ".".join(part for part in name.split(".") if part != COMPILED_SEGMENT)
 
 

@@ -485,8 +485,10 @@ class RecoverSession:
             self.shared_step = steps  # the memory tier's slots follow this save from now on
             timer = self._timer = SaveTimer(self.telemetry, steps, str(self.store.ckpt_dir), self.store.retries)
         boundary = at_epoch_boundary(trainer)
+        # each parameter's name, by its id: this save's info and its optimizer states keyed by name
+        names = None if is_sharded(trainer.strategy) else parameter_names(trainer.lightning_module)
         info = describe(trainer, self.state, boundary=boundary, io_mode=self.io.resolved_mode,
-                        experiment=self.experiment, user=self.store.layout.user)
+                        experiment=self.experiment, user=self.store.layout.user, names=names)
         # 1. The previous save is durable and committed (or its failure raised here); rank 0 cleans
         #    what interrupted saves left, names this save's generation; every rank agrees on it.
         error: BaseException | None = None
@@ -513,7 +515,7 @@ class RecoverSession:
             checkpoint = dump_checkpoint(trainer)
         extra = self.state.capture(trainer, boundary, self.ranks, point)
         checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {}).update(extra)
-        self.state.canonical(checkpoint, trainer)
+        self.state.canonical(checkpoint, trainer, names)
         # 3. The memory tier: this rank's slot (training waits for the copy; the slot is sealed
         #    in the background).
         if tier is not None:

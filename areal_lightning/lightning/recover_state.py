@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -155,7 +155,7 @@ class RecoverState:
         return state
 
     @staticmethod
-    def canonical(checkpoint: dict[str, Any], trainer: Any) -> None:
+    def canonical(checkpoint: dict[str, Any], trainer: Any, names: Mapping[int, str] | None = None) -> None:
         """A recover checkpoint's canonical form, in place: the model's state-dict keys without
         ``torch.compile``'s ``_orig_mod.`` segments (a compiled and an uncompiled run resume each
         other's checkpoints), every optimizer's state keyed by parameter name as sharded
@@ -167,7 +167,7 @@ class RecoverState:
         if isinstance(checkpoint.get("state_dict"), dict):
             checkpoint["state_dict"] = {plain_name(k): v for k, v in checkpoint["state_dict"].items()}
         if not is_sharded(trainer.strategy) and checkpoint.get("optimizer_states"):
-            names = parameter_names(trainer.lightning_module)
+            names = parameter_names(trainer.lightning_module) if names is None else names
             checkpoint["optimizer_states"] = [by_name(opt, state, names) for opt, state
                                               in zip(trainer.optimizers, checkpoint["optimizer_states"])]
         fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
@@ -349,20 +349,21 @@ def hf_models_of(trainer: Any, module: Any) -> list[HFModelEntry]:
     return entries
 
 
-def optimizer_keys(trainer: Any) -> str:
+def optimizer_keys(trainer: Any, names: Mapping[int, str] | None = None) -> str:
     """How a recover save of this run keys its optimizer states: ``names`` (every strategy
     family resumes it) or ``index`` (a parameter outside the LightningModule: replicated
-    strategies only, as every checkpoint of a replicated strategy before this field)."""
+    strategies only, as every checkpoint of a replicated strategy before this field).
+    ``names``: :func:`parameter_names` of the LightningModule, where the caller has it."""
     if is_sharded(trainer.strategy):
         return "names"
-    names = parameter_names(trainer.lightning_module)
+    names = parameter_names(trainer.lightning_module) if names is None else names
     return "names" if all(names_every_parameter(opt, names) for opt in trainer.optimizers) else "index"
 
 
 def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str | None, experiment: Any,
-             user: str) -> dict[str, dict[str, Any]]:
+             user: str, names: Mapping[int, str] | None = None) -> dict[str, dict[str, Any]]:
     """The content of every ``recover_info/`` file of a save taken now (``checkpoint_info.json``
-    without its file list, which the commit adds)."""
+    without its file list, which the commit adds). ``names``: see :func:`optimizer_keys`."""
     from areal_lightning.lightning.hf_saver import HFSaverCallback
 
     loaders = []
@@ -390,7 +391,7 @@ def describe(trainer: Any, state: RecoverState, *, boundary: bool, io_mode: str 
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
             "family": strategy_family(trainer.strategy),
-            "optimizer_keys": optimizer_keys(trainer),
+            "optimizer_keys": optimizer_keys(trainer, names),
             "num_devices": trainer.num_devices,
             "num_nodes": trainer.num_nodes,
             "accelerator": type(trainer.accelerator).__name__,
