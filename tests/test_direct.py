@@ -205,6 +205,58 @@ def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> 
     assert engine.staging_buffers is None
 
 
+def test_async_saves_of_plain_tensors_are_staged_by_one_copy_as_they_were_at_the_save(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """An async save whose tensors are all contiguous host tensors is staged by one call of the
+    extension (:class:`~areal_lightning.write.direct.StagingCopy`): every dtype, 0-dim and empty
+    tensors included, loads back as it was at the save although training changed it right
+    after :meth:`wait_for_staging`; a save with a tensor that is not contiguous is staged by
+    ``copy_`` per tensor; a tensor whose data was freed is named, and its save leaves no
+    ``.metadata``."""
+    calls: list[int] = []
+    real = direct.StagingCopy.__call__
+
+    def counted(self: Any, flat: Any) -> None:
+        calls.append(len(self.keys))
+        real(self, flat)
+
+    monkeypatch.setattr(direct.StagingCopy, "__call__", counted)
+    state = _state()
+    transposed = state["state_dict"].pop("transposed")
+    engine = DCPEngine()
+    try:
+        for step in range(4):
+            if step == 3:
+                state["state_dict"]["transposed"] = transposed  # not contiguous: copy_ per tensor
+            engine.save(state, tmp_path / f"c{step}", asynchronous=True)
+            engine.wait_for_staging()
+            expected = {k: v.clone() for k, v in state["state_dict"].items()}
+            expected["exp_avg"] = state["optimizer"]["state"][0]["exp_avg"].clone()
+            for tensor in [*state["state_dict"].values(), state["optimizer"]["state"][0]["exp_avg"]]:
+                tensor.add_(1)  # the next step changes every tensor
+            engine.wait()
+            loaded = engine.load(tmp_path / f"c{step}")
+            for key, tensor in expected.items():
+                got = loaded["optimizer"]["state"][0][key] if key == "exp_avg" else loaded["state_dict"][key]
+                assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
+        tensors = len(flatten(state)) - 2  # the skeleton and the one not contiguous
+        assert calls == ([tensors] * 3 if direct.STAGING_COPY else []), calls
+        del state["state_dict"]["transposed"]
+        engine.save(state, tmp_path / "alike", asynchronous=True)
+        engine.wait()
+        state["state_dict"]["w"].untyped_storage().resize_(0)  # its data freed; the check still finds it alike
+        engine.save(state, tmp_path / "freed", asynchronous=True)
+        if direct.STAGING_COPY:
+            with pytest.raises(CheckpointWriteError, match=r"state_dict\.w\\?' has no storage to stage"):
+                engine.wait()
+            assert not (tmp_path / "freed" / ".metadata").exists()
+    finally:
+        try:
+            engine.close()
+        except CheckpointWriteError:
+            pass
+
+
 @pytest.fixture
 def write_at_calls(monkeypatch) -> list[int]:
     """The item counts of the extension's ``write_at`` calls in this process (the extension

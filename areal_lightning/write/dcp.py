@@ -225,6 +225,7 @@ class DCPEngine:
         self._paths: dict[str, Any] = {}  # flatten's memo: the dotted paths of the state dicts
         self._signatures = direct.Signatures()  # an async save's layout signature, checked in one call while it holds
         self._buffers: tuple[direct.ByteLayout, dict[str, torch.Tensor]] | None = None  # its async staging buffers
+        self._copy_into: tuple[dict[str, torch.Tensor], direct.StagingCopy] | None = None  # their StagingCopy
         self._copy_stream: Any = None  # CUDA: the stream of those copies
         self._upload_thread: ThreadPoolExecutor | None = None
         self._serial = next(_ENGINES)
@@ -335,16 +336,16 @@ class DCPEngine:
             return
         error = None
         try:
-            layout = None
+            layout, plain = None, False
             if not collective and isinstance(path, Path):
                 if self.async_executor == "process":
                     if self._process is None:
                         self._process = CheckpointProcess(self.thread_count)
                     layout = self._process.layout_for(self._signature(flat, pinned=False)[0])
                 else:
-                    layout = self._direct_layout(flat, pinned=pin_buffers())[0]
+                    layout, plain = self._direct_layout(flat, pinned=pin_buffers())
             if layout is not None:  # a save that needs no plan: staged into buffers of its layout
-                staged, upload = self._staged_save(flat, path, layout, writer)
+                staged, upload = self._staged_save(flat, path, layout, writer, plain)
             else:
                 # What dcp.async_save does with a THREAD checkpointer (the host copy in the
                 # stager's thread, then DCP's save of the copy in one background thread), without
@@ -366,11 +367,13 @@ class DCPEngine:
         _IN_FLIGHT[_key(label)] = self._worker
 
     def _staged_save(self, flat: dict[str, Any], path: Path, layout: direct.ByteLayout,
-                     writer: HashingWriter) -> tuple[Future, Future]:
+                     writer: HashingWriter, plain: bool = False) -> tuple[Future, Future]:
         """Start an async save that needs no plan: in this engine's background thread, the
         copy into staging buffers made once per layout (the checkpoint process's segment, or
         host buffers, pinned on CUDA), then the files, written by the checkpoint process or
-        by this process's writer threads. Returns the staging and the save futures."""
+        by this process's writer threads. ``plain``: ``flat``'s tensors are plain (see
+        :meth:`_signature`): copied into host buffers by :class:`~areal_lightning.write.direct.StagingCopy`.
+        Returns the staging and the save futures."""
         process = self._process if self.async_executor == "process" else None
         device = cuda_device()
         ready = None
@@ -385,7 +388,10 @@ class DCPEngine:
                 if device is not None and self._copy_stream is None:
                     self._copy_stream = torch.cuda.Stream()
                 buffers = process.buffers(layout) if process is not None else self._host_buffers(layout)
-                copy_into(buffers, flat, ready=ready, stream=self._copy_stream if device is not None else None)
+                if plain and process is None and device is None and direct.STAGING_COPY:
+                    self._staging_copy()(flat)
+                else:
+                    copy_into(buffers, flat, ready=ready, stream=self._copy_stream if device is not None else None)
             except BaseException as exc:
                 staged.set_exception(exc)
                 raise
@@ -402,11 +408,18 @@ class DCPEngine:
     def _host_buffers(self, layout: direct.ByteLayout) -> dict[str, torch.Tensor]:
         """Host buffers of ``layout``'s tensors, made on its first async save (pinned on CUDA)."""
         if self._buffers is None or self._buffers[0] is not layout:
-            self._buffers = None  # the old ones go before the new ones are made
+            self._buffers = self._copy_into = None  # the old ones go before the new ones are made
             pin = pin_buffers()
             self._buffers = (layout, {key: torch.empty(shape, dtype=dtype, pin_memory=pin)
                                       for key, shape, dtype, _, _ in layout.key})
         return self._buffers[1]
+
+    def _staging_copy(self) -> direct.StagingCopy:
+        """The :class:`~areal_lightning.write.direct.StagingCopy` into the host buffers of the
+        last :meth:`_host_buffers` (made at its first use, dropped with them)."""
+        if self._copy_into is None or self._copy_into[0] is not self._buffers[1]:
+            self._copy_into = (self._buffers[1], direct.StagingCopy(self._buffers[1]))
+        return self._copy_into[1]
 
     def _signature(self, flat: dict[str, Any], pinned: bool | None) -> tuple[tuple[Any, ...] | None, bool]:
         """:func:`~areal_lightning.write.direct.signature` of ``flat``, by
@@ -615,7 +628,7 @@ class DCPEngine:
                 drop_plan_cache(key)
             self._plan_keys.clear()
             self._checked_plans.clear()
-            self._layout = self._buffers = self._copy_stream = None
+            self._layout = self._buffers = self._copy_into = self._copy_stream = None
             self.ranks.close()
 
     def _planner(self) -> CachingSavePlanner:

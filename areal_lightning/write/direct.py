@@ -315,6 +315,38 @@ _ADDRESS_OF = DATA_PTR_FUNCTION if one_pass("write_at") and one_pass("addresses"
 """torch's exported data_ptr function where the extension writes from addresses (``write_at``)
 and reads them by one call (``addresses``); else ``None`` (each source a view, in Python)."""
 
+class StagingCopy:
+    """An async save's copy of its tensors into its staging buffers (contiguous host tensors of
+    the layout's keys, shapes and dtypes, made once; ``buffers`` in the layout's order) where
+    the tensors are plain (contiguous host tensors with a storage, in the layout's order, the
+    skeleton last: known from :class:`Signatures`): every source's address read by one call,
+    then every tensor copied by one call of the extension, the GIL released (their CRC32Cs
+    computed on the way and not used), instead of a ``copy_`` per tensor (4,000 tensors, 25 MB:
+    10 -> 3.7 ms, what training waits for at a recover save point)."""
+
+    def __init__(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        tensors = list(buffers.values())
+        self.keys = list(buffers)
+        self.dsts = array("Q", [tensor.data_ptr() for tensor in tensors])
+        self.sizes = array("Q", [tensor.numel() * tensor.element_size() for tensor in tensors])
+        self.index = array("Q", range(len(tensors)))
+        self.srcs = array("Q", bytes(8 * len(tensors)))
+        self.out = array("I", bytes(4 * len(tensors)))
+
+    def __call__(self, flat: Mapping[str, Any]) -> None:
+        """Copy ``flat``'s tensors (see the class doc) into the buffers; a tensor whose data was
+        freed is named (:func:`freed_tensor`) before anything is copied."""
+        values = list(flat.values())
+        if KERNEL.addresses(_ADDRESS_OF, torch.Tensor, values, self.index, self.srcs) >= 0:
+            for address, size, key in zip(self.srcs, self.sizes, self.keys):
+                if not address and size:
+                    raise freed_tensor(key, "async save", "stage")
+        KERNEL.copy(self.dsts, self.srcs, self.sizes, self.out)
+
+
+STAGING_COPY = _ADDRESS_OF is not None and one_pass("copy")
+"""Whether :class:`StagingCopy` can run here (the extension reads addresses and copies)."""
+
 _BATCH = 64 << 20
 """Bytes of items whose sources :func:`_write_batches` holds at once (a source may be a copy:
 a GPU tensor's on the CPU)."""
