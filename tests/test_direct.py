@@ -205,10 +205,12 @@ def test_async_saves_stage_into_buffers_made_once_per_layout(tmp_path: Path) -> 
     assert engine.staging_buffers is None
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
 def test_async_saves_of_plain_tensors_are_staged_by_one_copy_as_they_were_at_the_save(tmp_path: Path,
-                                                                                      monkeypatch) -> None:
+                                                                                      monkeypatch, executor) -> None:
     """An async save whose tensors are all contiguous host tensors is staged by one call of the
-    extension (:class:`~areal_lightning.write.direct.StagingCopy`): every dtype, 0-dim and empty
+    extension (:class:`~areal_lightning.write.direct.StagingCopy`, into this engine's buffers or
+    the checkpoint process's segment): every dtype, 0-dim and empty
     tensors included, loads back as it was at the save although training changed it right
     after :meth:`wait_for_staging`; a save with a tensor that is not contiguous is staged by
     ``copy_`` per tensor; a tensor whose data was freed is named, and its save leaves no
@@ -223,7 +225,7 @@ def test_async_saves_of_plain_tensors_are_staged_by_one_copy_as_they_were_at_the
     monkeypatch.setattr(direct.StagingCopy, "__call__", counted)
     state = _state()
     transposed = state["state_dict"].pop("transposed")
-    engine = DCPEngine()
+    engine = DCPEngine(async_executor=executor)
     try:
         for step in range(4):
             if step == 3:

@@ -341,7 +341,8 @@ class DCPEngine:
                 if self.async_executor == "process":
                     if self._process is None:
                         self._process = CheckpointProcess(self.thread_count)
-                    layout = self._process.layout_for(self._signature(flat, pinned=False)[0])
+                    key, plain = self._signature(flat, pinned=False)
+                    layout = self._process.layout_for(key)
                 else:
                     layout, plain = self._direct_layout(flat, pinned=pin_buffers())
             if layout is not None:  # a save that needs no plan: staged into buffers of its layout
@@ -372,7 +373,7 @@ class DCPEngine:
         copy into staging buffers made once per layout (the checkpoint process's segment, or
         host buffers, pinned on CUDA), then the files, written by the checkpoint process or
         by this process's writer threads. ``plain``: ``flat``'s tensors are plain (see
-        :meth:`_signature`): copied into host buffers by :class:`~areal_lightning.write.direct.StagingCopy`.
+        :meth:`_signature`): copied into the buffers by :class:`~areal_lightning.write.direct.StagingCopy`.
         Returns the staging and the save futures."""
         process = self._process if self.async_executor == "process" else None
         device = cuda_device()
@@ -388,8 +389,8 @@ class DCPEngine:
                 if device is not None and self._copy_stream is None:
                     self._copy_stream = torch.cuda.Stream()
                 buffers = process.buffers(layout) if process is not None else self._host_buffers(layout)
-                if plain and process is None and device is None and direct.STAGING_COPY:
-                    self._staging_copy()(flat)
+                if plain and device is None and direct.STAGING_COPY:
+                    self._staging_copy(buffers)(flat)
                 else:
                     copy_into(buffers, flat, ready=ready, stream=self._copy_stream if device is not None else None)
             except BaseException as exc:
@@ -414,11 +415,13 @@ class DCPEngine:
                                       for key, shape, dtype, _, _ in layout.key})
         return self._buffers[1]
 
-    def _staging_copy(self) -> direct.StagingCopy:
-        """The :class:`~areal_lightning.write.direct.StagingCopy` into the host buffers of the
-        last :meth:`_host_buffers` (made at its first use, dropped with them)."""
-        if self._copy_into is None or self._copy_into[0] is not self._buffers[1]:
-            self._copy_into = (self._buffers[1], direct.StagingCopy(self._buffers[1]))
+    def _staging_copy(self, buffers: dict[str, torch.Tensor]) -> direct.StagingCopy:
+        """The :class:`~areal_lightning.write.direct.StagingCopy` into ``buffers`` (this
+        engine's host buffers or the checkpoint process's segment of the layout; made at their
+        first use, kept while they are the ones staged into)."""
+        if self._copy_into is None or self._copy_into[0] is not buffers:
+            self._copy_into = None
+            self._copy_into = (buffers, direct.StagingCopy(buffers))
         return self._copy_into[1]
 
     def _signature(self, flat: dict[str, Any], pinned: bool | None) -> tuple[tuple[Any, ...] | None, bool]:
