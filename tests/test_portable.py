@@ -270,3 +270,31 @@ def test_convert_without_an_hf_callback_finds_the_modules_pretrained_model(tmp_p
     for key, tensor in module.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
     assert AutoTokenizer.from_pretrained(out)("1 + 2").input_ids == tokenizer("1 + 2").input_ids
+
+
+def test_a_recover_save_tells_hf_models_by_their_bases_without_loading_transformers_modeling_code() -> None:
+    """``is_pretrained`` (which models a recover save records for ``convert --to hf``): an HF
+    model and a subclass of one are, a plain module and an unrelated class of the same name are
+    not; and a run without an HF model does not load transformers' modeling code for it (half a
+    second at its first save), checked in a fresh process."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from areal_lightning.capture.hf_meta import is_pretrained
+
+    class PreTrainedModel(torch.nn.Module):  # same name, not transformers'
+        pass
+
+    class Mine(LlamaForCausalLM):
+        pass
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=10)
+    assert is_pretrained(LlamaForCausalLM(config)) and is_pretrained(Mine(config))
+    assert not is_pretrained(torch.nn.Linear(2, 2)) and not is_pretrained(PreTrainedModel())
+    code = ("import sys, torch; from areal_lightning.capture.hf_meta import is_pretrained; "
+            "assert not is_pretrained(torch.nn.Linear(2, 2)); print('transformers.modeling_utils' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

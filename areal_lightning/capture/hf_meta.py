@@ -41,12 +41,12 @@ class HFModelEntry:
 
 
 def is_pretrained(model: Any) -> bool:
-    """Whether ``model`` is a ``transformers.PreTrainedModel``."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(model, PreTrainedModel)
+    """Whether ``model`` is a ``transformers.PreTrainedModel``: that class is among its class's
+    bases. Read from the bases, not by ``isinstance``, whose import of the class would load
+    transformers' modeling code (half a second, at the first recover save of a run without an
+    HF model)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.split(".")[0] == "transformers"
+               for cls in type(model).__mro__)
 
 
 def state_prefix(module: torch.nn.Module, model: Any) -> str | None:
