@@ -2,11 +2,13 @@
 
 Usage::
 
-    python benchmarks/recover_e2e.py [--mb 64] [--roots /dev/shm/recover_e2e,/tmp/recover_e2e]
+    python benchmarks/recover_e2e.py [--mb 64] [--width 1024] [--roots /dev/shm/recover_e2e,/tmp/recover_e2e]
                                      [--worlds 1,2] [--json FILE]
 
-A real ``Trainer`` trains a model of ``--mb`` MB of fp32 weights (``Linear`` layers) with
-Adam (checkpoint = weights + 2 moments = 3x) on ``accelerator="cpu"``; with 2 ranks,
+A real ``Trainer`` trains a model of ``--mb`` MB of fp32 weights (``Linear`` layers of
+``--width`` x ``--width``: 1024, 4 MB each; 64 makes the same bytes 256 times as many
+tensors, the fixed costs per tensor of a save) with Adam (checkpoint = weights + 2 moments =
+3x) on ``accelerator="cpu"``; with 2 ranks,
 ``strategy="ddp"`` on gloo, launched by ``torchrun``. It saves every ``--every`` steps
 with, in turn:
 
@@ -48,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("recover_sync", "recover_async", "modelcheckpoint")
-_D = 1024
 
 
 def _rchar() -> int:
@@ -80,8 +81,8 @@ def _worker(args: argparse.Namespace) -> None:
     class Net(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            n = max(1, round(args.mb * 2**20 / (_D * _D * 4)))
-            self.layers = torch.nn.Sequential(*[torch.nn.Linear(_D, _D, bias=False) for _ in range(n)])
+            n = max(1, round(args.mb * 2**20 / (args.width * args.width * 4)))
+            self.layers = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(n)])
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return self.layers(batch[0]).pow(2).mean()
@@ -137,7 +138,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     def data() -> Any:
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(4 * world * (steps + 4), _D, generator=g)), batch_size=4)
+        return DataLoader(TensorDataset(torch.randn(4 * world * (steps + 4), args.width, generator=g)), batch_size=4)
 
     def run_phase(phase: str, out_prefix: str) -> None:
         out: dict[str, Any] = {"rank": rank, "world": world}
@@ -261,8 +262,8 @@ def _measure(root: Path, world: int, args: argparse.Namespace) -> dict[str, Any]
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    common = ["--worker", "--root", str(root), "--mb", str(args.mb), "--every", str(args.every),
-              "--saves", str(args.saves)]
+    common = ["--worker", "--root", str(root), "--mb", str(args.mb), "--width", str(args.width),
+              "--every", str(args.every), "--saves", str(args.saves)]
     if args.one_process:  # a smoke run: the resume in the same (warm) process as the saves
         _launch(world, [*common, "--phase", "save,resume", "--out", f"{root / 'save'},{root / 'resume'}"])
     else:
@@ -305,6 +306,7 @@ def _print(result: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=64, help="MB of fp32 weights (the checkpoint is 3x with Adam)")
+    parser.add_argument("--width", type=int, default=1024, help="each Linear layer is width x width (no bias)")
     parser.add_argument("--every", type=int, default=8, help="steps between saves (an async save is durable before the next)")
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--roots", default="/dev/shm/recover_e2e,/tmp/recover_e2e")
@@ -328,7 +330,8 @@ def main() -> int:
             result = _measure(Path(root), world, args)
             _print(result)
             results.append(result)
-    write_json(args.json, {"benchmark": "recover_e2e", "mb": args.mb, "every": args.every, "saves": args.saves,
+    write_json(args.json, {"benchmark": "recover_e2e", "mb": args.mb, "width": args.width, "every": args.every,
+                           "saves": args.saves,
                            "results": results})
     return 0
 

@@ -718,6 +718,42 @@ def test_plan_cache_reuses_plans_but_not_when_a_dtype_or_key_changes(tmp_path: P
     assert engine._layout is None
 
 
+def test_host_fingerprints_of_small_tensors_by_one_call_are_those_of_each_tensors_bytes(monkeypatch) -> None:
+    """write/replicas.py: tensors of one piece are hashed by one call of the extension; their
+    digests are what hashing each tensor's bytes gives (the per-piece path), a one-bit change
+    included, and every other tensor (empty, not contiguous, a lazy conjugate, several pieces)
+    keeps the per-piece path."""
+    from areal_lightning.write import replicas
+
+    if not replicas._ONE_CALL:
+        pytest.skip("the compiled extension is not built here")
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(5, dtype=torch.complex64, generator=gen)
+    tensors = [torch.randn(64, 64, generator=gen) for _ in range(50)] + [
+        torch.ones(3, dtype=torch.bfloat16), torch.tensor(2.0), torch.arange(7, dtype=torch.int8),
+        torch.zeros(0), torch.randn(5, 3, generator=gen).t(), z.conj(), torch.randn(3 << 20, generator=gen)]
+    flipped = tensors[7].clone()
+    flipped.view(-1).view(torch.int32)[100] ^= 1
+    calls: list[int] = []
+    real = replicas.KERNEL
+
+    class Counted:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def copy(self, *args: Any) -> None:
+            calls.append(len(args[2]))
+            real.copy(*args)
+
+    monkeypatch.setattr(replicas, "KERNEL", Counted())
+    monkeypatch.setattr(replicas, "_PIECE", 4 << 20)  # the last tensor: 3 pieces
+    fast = replicas._host_digests([*tensors, flipped])
+    assert calls == [len(tensors) - 4 + 1]  # all but the empty, the transposed, the conjugate and the big one
+    monkeypatch.setattr(replicas, "_ONE_CALL", False)
+    assert replicas._host_digests([*tensors, flipped]) == fast
+    assert fast[7] != fast[-1] and len(fast[-2]) == 3 and fast[3 + 50] == (0,)
+
+
 def test_replicated_tensors_that_differ_are_found_by_fingerprint_and_mapped_back_per_rank(caplog, monkeypatch) -> None:
     """write/replicas.py: which tensors differ across ranks (host CRC32C, and the device digest
     computed here on CPU tensors), where they are stored, and which copy each rank reads."""

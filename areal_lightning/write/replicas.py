@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from areal_lightning.write.checksum import crc32c
-from areal_lightning.write.raw import resolved, tensor_bytes
+from areal_lightning.write.checksum import KERNEL, crc32c, one_pass
+from areal_lightning.write.raw import resolved, shows_its_bytes, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +75,37 @@ _PIECE = 16 << 20  # bytes of a host tensor hashed as one piece (pieces are hash
 _THREADS = min(8, os.cpu_count() or 1)  # CRC32C releases the GIL: the pieces scale with the cores
 
 
+_ONE_CALL = one_pass("copy")
+"""Whether the extension checksums many items' bytes by one call (``copy`` without sources)."""
+
+
 def _host_digests(tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
     """CRC32C of each host tensor's bytes, one per piece of ``_PIECE`` bytes, the pieces of all
     tensors hashed by up to ``_THREADS`` threads once there are two pieces' worth of bytes (a
     replicated save hashes every rank's whole replicated state: one thread would cost about a
-    memcpy of it; a small state is hashed on the calling thread, without starting threads)."""
+    memcpy of it; a small state is hashed on the calling thread, without starting threads).
+    Tensors of one piece whose memory holds their values (contiguous, with a storage, not a
+    lazily conjugated or negated view) are hashed by one call of the extension, the GIL
+    released: a view of each costs about 15 us (2,048 tensors: 33-108 ms a save -> 3 ms)."""
+    out: list[list[int]] = [[] for _ in tensors]
+    rest = list(range(len(tensors)))
+    if _ONE_CALL and tensors:
+        rest, at, sizes, index = [], array("Q"), array("Q"), []
+        for i, t in enumerate(tensors):
+            nbytes = t.numel() * t.element_size()
+            address = t.data_ptr() if 0 < nbytes < _PIECE and t.is_contiguous() and shows_its_bytes(t) else 0
+            if address:
+                at.append(address)
+                sizes.append(nbytes)
+                index.append(i)
+            else:
+                rest.append(i)
+        crcs = array("I", bytes(4 * len(index)))
+        KERNEL.copy(at, array("Q", bytes(8 * len(index))), sizes, crcs)  # no sources: each item's own bytes, read
+        for i, crc in zip(index, crcs):
+            out[i].append(crc)
     pieces: list[tuple[int, memoryview]] = []
-    for index, t in enumerate(tensors):
+    for index, t in ((i, tensors[i]) for i in rest):
         data = resolved(t)
         view = tensor_bytes(data if data.is_contiguous() else data.contiguous())
         pieces += [(index, view[start:start + _PIECE]) for start in range(0, max(len(view), 1), _PIECE)]
@@ -89,7 +114,6 @@ def _host_digests(tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
             digests = list(pool.map(lambda piece: crc32c(piece[1]), pieces))
     else:
         digests = [crc32c(view) for _, view in pieces]
-    out: list[list[int]] = [[] for _ in tensors]
     for (index, _), digest in zip(pieces, digests):
         out[index].append(digest)
     return [tuple(d) for d in out]
