@@ -446,6 +446,11 @@ def test_repeated_saves_write_metadata_from_its_pickle_made_once(tmp_path: Path,
             assert torch.equal(loaded["state_dict"][key], tensor)
         assert loaded["log"] == expected["log"]
     engine.close()
+    # folders are told apart by their parents' parts (a Windows path compares without case)
+    from pathlib import PureWindowsPath
+
+    assert layout.pickled_for(PureWindowsPath("C:/T/a")) is None and layout.pickled_for(PureWindowsPath("c:/t/b")) is None
+    assert layout._pickled[1] == 1 and direct._name_splices(PureWindowsPath("c:/t/b"))
     # a placeholder found twice in the pickle (here: a key holding the save id's): pickled as before
     state = _state()
     state["state_dict"][direct._SAVE_ID_SENTINEL] = torch.ones(2)

@@ -65,7 +65,6 @@ from areal_lightning.stage.host import bind_thread_to
 from areal_lightning.write.checksum import (ITEM_CHECKSUM, KERNEL, HashingStream, Written, crc32c, data_files,
                                             manifest_of, one_pass, with_metadata)
 from areal_lightning.write.dcp_format import SKELETON_KEY, save_skeleton
-from areal_lightning.write.dcp_reader import paused_gc
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, tensor_bytes
 
@@ -237,7 +236,7 @@ class ByteLayout:
         save in a row into it or into a folder beside it (a run's recover saves each go into a
         new folder beside the last one's); ``None`` at the first, or where it cannot be made."""
         where, saves, pickled = self._pickled
-        parent = (type(path), path.parent) if isinstance(path, PurePath) else (str, str(path))
+        parent = (type(path), path.parent.parts) if isinstance(path, PurePath) else (str, str(path))  # (parts: exact)
         if where != parent:
             self._pickled = (parent, 1, None)  # the first save here: pickled as it is
             return None
@@ -499,6 +498,39 @@ def _pickled_str(text: str) -> bytes:
             else _BINUNICODE + len(data).to_bytes(4, "little")) + data
 
 
+def _splice_name(out: bytearray, name_at: int, frame_at: int, name: str) -> None:
+    """Replace, in the protocol-4 pickle ``out``, the placeholder :data:`_NAME_SENTINEL`'s
+    ``str`` at ``name_at`` by ``name``'s, giving the frame at ``frame_at`` (``-1``: none) its
+    new length."""
+    old, new = len(_pickled_str(_NAME_SENTINEL)), _pickled_str(name)
+    if frame_at >= 0 and len(new) != old:
+        at = frame_at + 1
+        out[at:at + 8] = (int.from_bytes(out[at:at + 8], "little") + len(new) - old).to_bytes(8, "little")
+    out[name_at:name_at + old] = new
+
+
+def _name_splices(checkpoint_id: PurePath) -> bool:
+    """Whether a pickle of a path like ``checkpoint_id`` holds its name as a ``str`` of its own
+    that :func:`_splice_name` can replace (pathlib pickles a path as its parts): a round trip
+    of the path alone, in microseconds."""
+    probe = checkpoint_id.parent / _NAME_SENTINEL
+    data = pickle.dumps(probe, protocol=4)
+    name = _pickled_str(_NAME_SENTINEL)
+    if data.count(name) != 1 or data.count(_NAME_SENTINEL.encode()) != 1:
+        return False
+    at = data.index(name)
+    frame = _frame_of(data, at)
+    if frame is None:
+        return False
+    out = bytearray(data)
+    _splice_name(out, at, frame, checkpoint_id.name)
+    try:
+        back = pickle._Unpickler(io.BytesIO(bytes(out))).load()  # Python's own: every frame's length checked
+    except Exception:  # noqa: BLE001 - any doubt: pickled as it is
+        return False
+    return type(back) is type(checkpoint_id) and back.parts == checkpoint_id.parts
+
+
 def _frame_of(data: bytes, at: int) -> int | None:
     """Where the ``FRAME`` opcode of the frame holding byte ``at`` of a protocol-4 pickle is;
     ``-1`` where it has no frames (protocol 3 or less); ``None`` where ``at`` is in none."""
@@ -521,7 +553,7 @@ class PickledMetadata:
     (``_StorageInfo.__getstate__`` is Python, per item). The bytes unpickle to what pickling it
     again would give (the name's ``str`` may change length: the frame holding it is given its
     new length). ``None`` from :meth:`build` where a placeholder is not found exactly once, or
-    the bytes made for the folder it was built for do not unpickle to that folder (then the
+    a path of the folder's type does not pickle its name as a ``str`` of its own (then the
     caller pickles)."""
 
     def __init__(self, data: bytes, infos: list[Any], crc_at: list[int], length_at: int, save_id_at: int,
@@ -544,7 +576,7 @@ class PickledMetadata:
 
     @classmethod
     def build(cls, layout: ByteLayout, checkpoint_id: Path | str) -> PickledMetadata | None:
-        if not isinstance(checkpoint_id, PurePath) or not checkpoint_id.name:
+        if not isinstance(checkpoint_id, PurePath) or not checkpoint_id.name or not _name_splices(checkpoint_id):
             return None
         metadata = layout.metadata
         infos = [item.info for items in layout.files for item in items] + [layout.skeleton]
@@ -574,15 +606,8 @@ class PickledMetadata:
         frame_at = _frame_of(data, name_at)
         if frame_at is None:
             return None
-        made = cls(data, infos, [found[value][0] for value in wanted[:-1]], found[_LENGTH_SENTINEL][0],
+        return cls(data, infos, [found[value][0] for value in wanted[:-1]], found[_LENGTH_SENTINEL][0],
                    data.index(save_id), name_at, frame_at)
-        try:  # once per layout and parent folder: the folder's name lands where the path's is
-            with paused_gc():  # (its allocations would start collections of the whole process: 0.28 s, measured)
-                ok = pickle.loads(made.bytes_for(_SAVE_ID_SENTINEL, checkpoint_id)).storage_meta.checkpoint_id \
-                    == checkpoint_id
-        except Exception:  # noqa: BLE001 - any doubt: pickled as it is
-            ok = False
-        return made if ok else None
 
     def bytes_for(self, save_id: str, checkpoint_id: PurePath) -> bytes:
         """The pickle with the records' CRC32Cs, the skeleton's length, ``save_id`` and the name
@@ -605,11 +630,7 @@ class PickledMetadata:
                 torch.frombuffer(out, dtype=torch.uint8)[self._crc_bytes] = torch.frombuffer(crcs, dtype=torch.uint8)
         out[self.length_at:self.length_at + 7] = _long1(self.infos[-1].length)
         out[self.save_id_at:self.save_id_at + 36] = save_id.encode()
-        old, name = len(_pickled_str(_NAME_SENTINEL)), _pickled_str(checkpoint_id.name)  # the last edit: lengths change
-        if self.frame_at >= 0 and len(name) != old:
-            at = self.frame_at + 1
-            out[at:at + 8] = (int.from_bytes(out[at:at + 8], "little") + len(name) - old).to_bytes(8, "little")
-        out[self.name_at:self.name_at + old] = name
+        _splice_name(out, self.name_at, self.frame_at, checkpoint_id.name)  # the last edit: lengths change
         return bytes(out)
 
 
