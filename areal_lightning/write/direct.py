@@ -524,8 +524,10 @@ def _name_splices(checkpoint_id: PurePath) -> bool:
         return False
     out = bytearray(data)
     _splice_name(out, at, frame, checkpoint_id.name)
+    if frame >= 0 and frame + 9 + int.from_bytes(out[frame + 1:frame + 9], "little") != len(out):
+        return False  # (a pickle this small is one frame: it must end where the bytes do)
     try:
-        back = pickle._Unpickler(io.BytesIO(bytes(out))).load()  # Python's own: every frame's length checked
+        back = pickle.loads(bytes(out))
     except Exception:  # noqa: BLE001 - any doubt: pickled as it is
         return False
     return type(back) is type(checkpoint_id) and back.parts == checkpoint_id.parts

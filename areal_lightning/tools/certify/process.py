@@ -41,6 +41,32 @@ def _killpg(pgid: int) -> None:
         pass
 
 
+def _live_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (zombies, whose code ended, excluded),
+    read from ``/proc``; ``[]`` where it cannot be read."""
+    live = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        if fields[0] != b"Z" and int(fields[2]) == pgid:
+            live.append(int(entry.name))
+    return live
+
+
+def _wait_group_ended(pgid: int, timeout: float = 30.0) -> None:
+    """Until every process of the SIGKILLed group ``pgid`` has ended: a member in a system call
+    (a rename, a write to tmpfs) ends when it returns, which may be after the leader was reaped;
+    what the run left on disk is read only once none can write any more."""
+    deadline = time.monotonic() + timeout
+    while _live_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def run_group(argv: Sequence[str], env: dict[str, str], log: Path, timeout: float,
               trace: Path | None = None, poll_s: float = 0.05) -> RunResult:
     """Run ``argv`` as a new session (its own process group) with output to ``log``.
@@ -84,6 +110,7 @@ def run_group(argv: Sequence[str], env: dict[str, str], log: Path, timeout: floa
     finally:
         if proc.poll() is None:
             _killpg(proc.pid)
+        _wait_group_ended(proc.pid)  # (its members found by their group id in /proc)
         result.rc = proc.wait()
         result.wall_s = time.monotonic() - start
     if trace is not None and not result.killed and trace.exists():  # a kill line written just before the exit
