@@ -11,7 +11,9 @@ nor of how a written directory is committed (that is :mod:`areal_lightning.commi
     folder needs no plan and is written by :mod:`areal_lightning.write.direct` (same format;
     async: staged into host buffers made once per layout, then written by this process's
     threads or, with ``async_executor="process"``, by a checkpoint process,
-    :mod:`areal_lightning.write.process`); every other save is planned and written by DCP,
+    :mod:`areal_lightning.write.process`); so is a collective save of plain tensors that every
+    rank holds whole (DDP), spread over the ranks by :mod:`areal_lightning.write.spread` (sync,
+    and async with the thread executor); every other save is planned and written by DCP,
     async ones staged through the engine's :class:`~areal_lightning.stage.BackgroundWorker`
     (its :class:`~areal_lightning.stage.HostStager` is DCP's ``async_stager``). Every item is checksummed (CRC32C) in DCP's writer threads as
     it is written, and the checksums go into ``.metadata`` with DCP's item records
@@ -60,9 +62,12 @@ Distributed
     group of more than one rank, every rank must call ``save`` together (one DCP save: each
     rank writes its own ``__{rank}_*.distcp`` files, replicated tensors are written once,
     the skeleton by rank 0 only). Every rank first agrees it is ready (a failure on one rank
-    is raised on all, see :mod:`areal_lightning.collective`); DCP's own exchanges run on the
+    is raised on all, see :mod:`areal_lightning.collective`); that agreement also decides,
+    on every rank alike, whether the save is spread without planning
+    (:mod:`areal_lightning.write.spread`: then one more agreement carries every rank's
+    CRC32Cs to rank 0, which writes ``.metadata``). DCP's own exchanges run on the
     dedicated gloo groups of ``engine.ranks`` with their own timeout (sync saves on the
-    training thread's group, async saves on the background one). Loads are always
+    training thread's group, async saves on the background one), as do the spread save's. Loads are always
     rank-local reads of the shared directory into the caller's template, so DCP reshards to
     whatever the template holds (any world size).
 
@@ -119,7 +124,7 @@ from areal_lightning.write.dcp_format import (
     flat_tensors,
     flatten,
 )
-from areal_lightning.write import direct, replicas
+from areal_lightning.write import direct, replicas, spread
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.process import ASYNC_EXECUTORS, CheckpointProcess
 from areal_lightning.write.objectstore_fs import Location, location, on_object_store
@@ -168,6 +173,17 @@ def _then(upload: Future, then: Callable[[Written], None] | None, what: str, wri
     upload.add_done_callback(chain)
     return done
 
+
+
+def _training_queue() -> tuple[Any, Any]:
+    """The training thread's CUDA device and an event recorded on its current stream (what
+    training queued before the save, which a staging copy waits for); ``(None, None)`` off CUDA."""
+    device = cuda_device()
+    if device is None:
+        return None, None
+    ready = torch.cuda.Event()
+    ready.record()
+    return device, ready
 
 
 def _invalidate(path: Path, *, withdraw_marker: bool = True) -> None:
@@ -224,6 +240,8 @@ class DCPEngine:
         self._layout: direct.ByteLayout | None = None  # of the last rank-local save of plain tensors
         self._paths: dict[str, Any] = {}  # flatten's memo: the dotted paths of the state dicts
         self._signatures = direct.Signatures()  # an async save's layout signature, checked in one call while it holds
+        self._offers = spread.Tokens()  # a collective sync save's offer to be spread (write/spread.py)
+        self._spread: spread.Plan | None = None  # this rank's part of the last spread save
         self._buffers: tuple[direct.ByteLayout, dict[str, torch.Tensor]] | None = None  # its async staging buffers
         self._copy_into: tuple[dict[str, torch.Tensor], direct.StagingCopy] | None = None  # their StagingCopy
         self._copy_stream: Any = None  # CUDA: the stream of those copies
@@ -285,7 +303,8 @@ class DCPEngine:
         collective = self.is_collective()
         rank = dist.get_rank() if collective else 0
         error: BaseException | None = None
-        mine: dict[str, tuple] = {}
+        mine: Any = None
+        signature, plain = None, False
         try:
             self._worker.wait()
             fault_point("engine.before_staging")
@@ -296,8 +315,12 @@ class DCPEngine:
                 # Collective save: rank 0's skeleton describes the checkpoint; the others'
                 # contribute tensors only (DCP would keep one arbitrary rank's byte item).
                 flat.pop(SKELETON_KEY)
-            if collective:  # which replicated tensors are not equal on every rank (write/replicas.py)
-                mine = replicas.fingerprints(flat)
+            if collective:
+                # which replicated tensors are not equal on every rank (write/replicas.py), and
+                # whether this rank can write its part without DCP's planning (write/spread.py)
+                if isinstance(path, Path) and not (asynchronous and self.async_executor == "process"):
+                    signature, plain = self._signature(flat, pin_buffers() if asynchronous else None)
+                mine = (replicas.fingerprints(flat), self._offers(signature, self.thread_count))
             if isinstance(path, str):  # object store: a fresh generation prefix, no folders to make
                 writer = HashingWriter(path, single_file_per_rank=True, sync_files=False,
                                        thread_count=self.thread_count)
@@ -315,7 +338,16 @@ class DCPEngine:
             # one rank is an error on all of them, not a hang. The same exchange carries every
             # rank's fingerprints: a tensor that differs is stored per rank.
             gathered = self.ranks.agree(error, f"checkpoint save to {what}", mine)
-            replicas.store_per_rank(flat, replicas.differing(gathered), rank, len(gathered))
+            differ = replicas.differing([fingerprints for fingerprints, _ in gathered])
+            self._spread = spread.plan(gathered, differ, rank, signature, self.thread_count, self._spread)
+            values = [value for key, value in flat.items() if key != SKELETON_KEY] if self._spread else None
+            replicas.store_per_rank(flat, differ, rank, len(gathered))
+            if self._spread is not None and asynchronous:
+                self._spread_start(flat, values, plain, path, writer, then, what, label, rank)
+                return
+            if self._spread is not None:
+                self._spread_save(flat, values, plain, path, writer, then, what, rank)
+                return
         if not asynchronous:
             error = None
             try:
@@ -367,6 +399,94 @@ class DCPEngine:
         self.last_written = writer.checksums.written  # filled in as the background save runs
         _IN_FLIGHT[_key(label)] = self._worker
 
+    def _spread_save(self, flat: dict[str, Any], values: list[Any], plain: bool, path: Path, writer: HashingWriter,
+                     then: Callable[[Written], None] | None, what: str, rank: int) -> None:
+        """A collective sync save by :mod:`~areal_lightning.write.spread` (its plan in
+        ``self._spread``): this rank's part written to its files, then one agreement carrying
+        every rank's CRC32Cs, rank 0's ``.metadata`` and ``then``, and the commit's agreement.
+        ``values``: this rank's tensors in its signature's order."""
+        part, written = self._spread, writer.checksums.written
+        source = direct.tensors_of(flat, plain, [values[i] for i in part.positions])
+        reports = self._spread_write(part, source, flat[SKELETON_KEY] if rank == 0 else None, path, written,
+                                     writer.device, what, background=False)  # a failure: raised on every rank
+        self.last_written = written
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                self._spread_commit(part, reports, path, written)
+                if then is not None:
+                    then(written)
+            except BaseException as exc:  # noqa: BLE001 - raised below, on every rank
+                error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
+                error.__cause__ = exc
+        self.ranks.agree(error, f"checkpoint commit of {what}")
+
+    def _spread_write(self, part: spread.Plan, source: direct.TensorSource, skeleton: Any, path: Path,
+                      written: Written, device: Any, what: str, *, background: bool,
+                      error: BaseException | None = None) -> list[Any]:
+        """Collective: write this rank's part of a spread save (``skeleton``: the skeleton on
+        rank 0, else ``None``) and agree, returning every rank's report (its CRC32Cs, see
+        :meth:`~areal_lightning.write.spread.Plan.report`); a failure on any rank, or
+        ``error``, is raised on every rank. ``background``: on the background group (an async
+        save's thread)."""
+        report = None
+        if error is None:
+            try:
+                data = direct.skeleton_bytes(skeleton) if skeleton is not None else None
+                direct.write_files(source, data, path, part.layout, written, device=device)
+                report = part.report()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+                error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
+                error.__cause__ = exc
+        reports = self.ranks.agree(error, f"checkpoint save to {what}", report, background=background)
+        part.confirmed = True
+        return reports
+
+    @staticmethod
+    def _spread_commit(part: spread.Plan, reports: list[Any], path: Path, written: Written) -> None:
+        """Rank 0 of a spread save: the merged ``.metadata`` (every rank's CRC32Cs from ``reports``)."""
+        merged = part.merged(reports)
+        direct.write_metadata(path, merged.metadata, written, layout=merged)
+
+    def _spread_start(self, flat: dict[str, Any], values: list[Any], plain: bool, path: Path, writer: HashingWriter,
+                      then: Callable[[Written], None] | None, what: str, label: str, rank: int) -> None:
+        """A collective async save by :mod:`~areal_lightning.write.spread`: this rank's part
+        staged into host buffers of its layout (made once) and written in the engine's
+        background thread, as :meth:`_spread_write` (``then`` after it on rank 0). Every rank
+        agrees that it can start before any starts (a failure here is raised on all, and no
+        rank's background thread is left waiting for another's)."""
+        part, written = self._spread, writer.checksums.written
+        error: BaseException | None = None
+        try:
+            tensors = dict(zip((entry[0] for entry in part.layout.key), (values[i] for i in part.positions)))
+            buffers = self._host_buffers(part.layout)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            error = CheckpointWriteError(f"checkpoint save to {what} failed to start: {exc!r}")
+            error.__cause__ = exc
+        self.ranks.agree(error, f"checkpoint save to {what} (start)")
+        skeleton = flat[SKELETON_KEY] if rank == 0 else None
+        device, ready = _training_queue()
+        staged: Future = Future()
+
+        def job() -> None:
+            failure: BaseException | None = None
+            try:
+                self._stage(buffers, tensors, plain, device, ready)
+            except BaseException as exc:  # noqa: BLE001 - this rank's failure, raised on every rank below
+                staged.set_exception(exc)
+                failure = exc
+            else:
+                staged.set_result(None)
+            reports = self._spread_write(part, direct.tensors_of(buffers, plain=True), skeleton, path, written, device,
+                                         what, background=True, error=failure)
+            if rank == 0:
+                self._spread_commit(part, reports, path, written)  # a failure: the save's (then is not run)
+
+        upload = self._uploads().submit(job)
+        self._worker.track(label, _then(upload, then, what, written), staged)
+        self.last_written = written  # filled in as the background save runs
+        _IN_FLIGHT[_key(label)] = self._worker
+
     def _staged_save(self, flat: dict[str, Any], path: Path, layout: direct.ByteLayout,
                      writer: HashingWriter, plain: bool = False) -> tuple[Future, Future]:
         """Start an async save that needs no plan: in this engine's background thread, the
@@ -376,23 +496,14 @@ class DCPEngine:
         :meth:`_signature`): copied into the buffers by :class:`~areal_lightning.write.direct.StagingCopy`.
         Returns the staging and the save futures."""
         process = self._process if self.async_executor == "process" else None
-        device = cuda_device()
-        ready = None
-        if device is not None:
-            ready = torch.cuda.Event()
-            ready.record()  # on the caller's current stream: what training queued so far
+        device, ready = _training_queue()
         staged: Future = Future()
 
         def job() -> None:
             try:
-                bind_thread_to(device)
-                if device is not None and self._copy_stream is None:
-                    self._copy_stream = torch.cuda.Stream()
+                bind_thread_to(device)  # before the buffers: the segment is pinned on the training thread's device
                 buffers = process.buffers(layout) if process is not None else self._host_buffers(layout)
-                if plain and device is None and direct.STAGING_COPY:
-                    self._staging_copy(buffers)(flat)
-                else:
-                    copy_into(buffers, flat, ready=ready, stream=self._copy_stream if device is not None else None)
+                self._stage(buffers, flat, plain, device, ready)
             except BaseException as exc:
                 staged.set_exception(exc)
                 raise
@@ -405,6 +516,20 @@ class DCPEngine:
                             device=device)
 
         return staged, self._uploads().submit(job)
+
+    def _stage(self, buffers: dict[str, torch.Tensor], tensors: Mapping[str, Any], plain: bool, device: Any,
+               ready: Any) -> None:
+        """In the engine's background thread: copy ``tensors`` (the buffers' keys, in their order)
+        into ``buffers``, by one :class:`~areal_lightning.write.direct.StagingCopy` where they
+        are ``plain`` host tensors, else one ``copy_`` each (on CUDA on the engine's copy stream,
+        after the event ``ready`` of :func:`_training_queue`)."""
+        bind_thread_to(device)
+        if device is not None and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        if plain and device is None and direct.STAGING_COPY:
+            self._staging_copy(buffers)(tensors)
+        else:
+            copy_into(buffers, tensors, ready=ready, stream=self._copy_stream if device is not None else None)
 
     def _host_buffers(self, layout: direct.ByteLayout) -> dict[str, torch.Tensor]:
         """Host buffers of ``layout``'s tensors, made on its first async save (pinned on CUDA)."""
@@ -631,7 +756,7 @@ class DCPEngine:
                 drop_plan_cache(key)
             self._plan_keys.clear()
             self._checked_plans.clear()
-            self._layout = self._buffers = self._copy_into = self._copy_stream = None
+            self._layout = self._buffers = self._copy_into = self._copy_stream = self._spread = None
             self.ranks.close()
 
     def _planner(self) -> CachingSavePlanner:

@@ -5,9 +5,11 @@ to compare it with the cached one, a load builds a read item per tensor and chec
 value against the ``Stateful`` protocol. For what most checkpoints are -- one process's
 plain tensors, each saved whole, read back into tensors of the same shape -- there is
 nothing to plan. This module does those saves and loads itself, in the same on-disk format
-(DCP's ``.metadata``, raw items of :mod:`areal_lightning.write.raw`, every item's CRC32C);
-everything else (collective saves, DTensor / ShardedTensor shards, resharding loads, object
-stores) goes through DCP.
+(DCP's ``.metadata``, raw items of :mod:`areal_lightning.write.raw`, every item's CRC32C),
+and writes each rank's part of a collective save of replicated plain tensors
+(:mod:`areal_lightning.write.spread`: ``ByteLayout(rank=r)``, :func:`write_files`,
+:meth:`ByteLayout.merged`); everything else (other collective saves, DTensor / ShardedTensor
+shards, resharding loads, object stores) goes through DCP.
 
 * :class:`ByteLayout`: the plan of a save, cached between saves: which file and offset each
   tensor goes to (every file's tensors first, the skeleton last in the first file, so a
@@ -68,7 +70,7 @@ from areal_lightning.write.dcp_format import SKELETON_KEY, save_skeleton
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, tensor_bytes
 
-__all__ = ["ByteLayout", "signature", "Signatures", "TensorSource", "tensors_of", "read_addresses", "freed_tensor", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
+__all__ = ["ByteLayout", "signature", "Signatures", "TensorSource", "tensors_of", "read_addresses", "freed_tensor", "write_files", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
 
 SMALL = 1 << 20
 """Tensors of fewer bytes than this share one file (see :class:`ByteLayout`)."""
@@ -161,8 +163,11 @@ class _Item:
 class ByteLayout:
     """Where a save puts each tensor, and the ``Metadata`` it pickles (see module doc)."""
 
-    def __init__(self, key: tuple[Any, ...], thread_count: int) -> None:
+    def __init__(self, key: tuple[Any, ...], thread_count: int, rank: int = 0) -> None:
         self.key = key
+        self.rank = rank
+        """The rank whose data files these are (``__{rank}_{i}.distcp``): 0 but in a collective
+        save, where each rank writes its part (:meth:`merged`)."""
         sizes: dict[tuple[int, ...], torch.Size] = {}
         properties: dict[tuple[Any, ...], TensorProperties] = {}
 
@@ -199,7 +204,7 @@ class ByteLayout:
             entries[fqn] = TensorStorageMetadata(properties=props, size=size,
                                                  chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)])
             index, offset, nbytes = placed[i]
-            info = storage_info(f"__0_{index}{DATA_SUFFIX}", offset, nbytes, [RAW_DESCRIPTOR])
+            info = storage_info(f"__{rank}_{index}{DATA_SUFFIX}", offset, nbytes, [RAW_DESCRIPTOR])
             storage[MetadataIndex(fqn, zeros, 0)] = info
             self.files[index].append(_Item(fqn, offset, nbytes, info, i))
         for items in self.files:
@@ -208,13 +213,53 @@ class ByteLayout:
                       for items in self.files]
         """Per file, its items' places among the save's tensors and their sizes (what
         :meth:`TensorSource.addresses` and the extension's ``write_at`` take)."""
-        self.skeleton = storage_info(f"__0_0{DATA_SUFFIX}", ends[0], 0)
+        self.skeleton = storage_info(f"__{rank}_0{DATA_SUFFIX}", ends[0], 0)
         entries[SKELETON_KEY] = BytesStorageMetadata()
         storage[MetadataIndex(SKELETON_KEY)] = self.skeleton
+        self._assembled(entries, storage)
+
+    def _assembled(self, entries: dict[str, Any], storage: dict[MetadataIndex, Any]) -> None:
         self.metadata = Metadata(state_dict_metadata=entries, planner_data=None, storage_data=storage,
                                  version=CURRENT_DCP_VERSION)
         self._pickled: tuple[Any, int, PickledMetadata | None] = (None, 0, None)  # (parent folder, saves there, pickle)
         self._files: dict[str, dict[str, int]] | None = None  # the manifest's data files, the skeleton empty
+
+    @classmethod
+    def merged(cls, parts: list[ByteLayout]) -> ByteLayout:
+        """The layout of a collective save whose rank ``r`` writes the files of ``parts[r]``
+        (made with ``rank=r``; rank 0's holds the skeleton): its ``Metadata`` is the union of
+        the parts' and its records are theirs (a CRC32C put on a part's record is the merged
+        layout's). Only its metadata, manifest and pickle are used (by rank 0, which writes
+        ``.metadata``); each rank writes its own part."""
+        first = parts[0]
+        merged = cls.__new__(cls)
+        merged.key, merged.rank, merged.skeleton = first.key, 0, first.skeleton
+        merged.files = [items for part in parts for items in part.files]
+        merged.spans = [span for part in parts for span in part.spans]
+        entries = dict(first.metadata.state_dict_metadata)
+        storage = dict(first.metadata.storage_data)
+        for part in parts[1:]:  # every part but rank 0's without its skeleton
+            entries.update((fqn, md) for fqn, md in part.metadata.state_dict_metadata.items() if fqn != SKELETON_KEY)
+            storage.update((index, info) for index, info in part.metadata.storage_data.items()
+                           if index.fqn != SKELETON_KEY)
+        merged._assembled(entries, storage)
+        return merged
+
+    def checksums(self) -> array:
+        """Every item's CRC32C as the last save put it, in the order of :attr:`files` (what a
+        collective save's rank sends to rank 0)."""
+        return array("I", [getattr(item.info, ITEM_CHECKSUM) for items in self.files for item in items])
+
+    def set_checksums(self, values: Iterable[int]) -> None:
+        """Put each item's CRC32C (in the order of :attr:`files`, as :meth:`checksums` gives them)
+        on its record."""
+        items = [item for files in self.files for item in files]
+        values = list(values)
+        if len(values) != len(items):
+            raise CheckpointWriteError(f"rank {self.rank} reported {len(values)} checksums for the {len(items)} items "
+                                       "of its files (its layout is not the one this rank made for it)")
+        for item, value in zip(items, values):
+            setattr(item.info, ITEM_CHECKSUM, value)
 
     def manifest(self, metadata: HashingStream) -> dict[str, dict[str, int]]:
         """:func:`~areal_lightning.write.checksum.manifest_of` this layout's ``Metadata`` as
@@ -257,10 +302,11 @@ class TensorSource:
     reads a file's addresses by one call, and :func:`save` writes them without a Python object
     per tensor (``source(item)`` builds a view of each: about 4 us, 8 ms of a 2,000-tensor save)."""
 
-    def __init__(self, flat: Mapping[str, Any], plain: bool = False) -> None:
+    def __init__(self, flat: Mapping[str, Any], plain: bool = False, values: list[Any] | None = None) -> None:
         self.flat = flat
         self.plain = plain and _ADDRESS_OF is not None and ONE_PASS_WRITE
-        self._values: list[Any] | None = None
+        self._values: list[Any] | None = values
+        """The tensors in the layout's order (made from ``flat`` at the first use when not given)."""
 
     def __call__(self, item: Any) -> Any:
         tensor = self.flat[item.key].detach()
@@ -309,9 +355,10 @@ def freed_tensor(key: str, what: str, verb: str) -> CheckpointWriteError:
         "untyped_storage().resize_(0)); save a state whose tensors hold their values")
 
 
-def tensors_of(flat: Mapping[str, Any], plain: bool = False) -> TensorSource:
-    """:class:`TensorSource` of ``flat`` (see there for ``plain``)."""
-    return TensorSource(flat, plain)
+def tensors_of(flat: Mapping[str, Any], plain: bool = False, values: list[Any] | None = None) -> TensorSource:
+    """:class:`TensorSource` of ``flat`` (see there for ``plain``; ``values``: its tensors in the
+    layout's order, where the layout holds only some of them)."""
+    return TensorSource(flat, plain, values)
 
 
 ONE_PASS_WRITE = one_pass("write")
@@ -393,22 +440,23 @@ def _write_batches(fd: int, index: int, source: Callable[[Any], Any], skeleton: 
     return hash_s, pos
 
 
-def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: ByteLayout, written: Written, *,
-         device: Any = None) -> None:
+def write_files(source: Callable[[Any], Any], skeleton: bytes | None, path: Path, layout: ByteLayout,
+                written: Written, *, device: Any = None) -> None:
     """Write every tensor of ``layout`` (its bytes: ``source(item)``, e.g. :func:`tensors_of`)
-    and the pickled ``skeleton`` into the existing directory ``path`` and finish it
-    (``.metadata`` last), recording what was written in ``written``. A failure of any file is
-    raised once every file is finished, and no ``.metadata`` is written."""
+    and the pickled ``skeleton`` (``None``: a collective save's rank other than 0, which has
+    none) into its data files in the existing directory ``path``, fsynced, each item's CRC32C
+    on its record; what was written goes to ``written``. A failure of any file is raised
+    once every file is finished."""
     faults = fault_enabled()
     fault_point("engine.after_staging")
 
     def write_file(index: int) -> tuple[int, float]:
         bind_thread_to(device)
         items = layout.files[index]
-        name = f"__0_{index}{DATA_SUFFIX}"
+        name = f"__{layout.rank}_{index}{DATA_SUFFIX}"
         hash_s, pos = 0.0, 0
-        if not items and index != 0:
-            return pos, hash_s  # no tensor placed here (empty tensors): no file
+        if not items and (index != 0 or skeleton is None):
+            return pos, hash_s  # no tensor placed here (empty tensors, or none of this rank's): no file
         with open(path / name, "wb", buffering=_BUFFER) as file:
             if ONE_PASS_WRITE:
                 hash_s, pos = _write_batches(file.fileno(), index, source, skeleton if index == 0 else None, layout)
@@ -420,7 +468,7 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
                     setattr(item.info, ITEM_CHECKSUM, crc32c(data))
                     hash_s += time.perf_counter() - start
                     pos += item.nbytes
-                if index == 0:
+                if index == 0 and skeleton is not None:
                     file.write(skeleton)
                     setattr(layout.skeleton, ITEM_CHECKSUM, crc32c(skeleton))
                     pos += len(skeleton)
@@ -431,7 +479,7 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
         return pos, hash_s
 
     layout.skeleton.offset = sum(layout.spans[0][1])  # the first file's tensor bytes (its sizes' array: 2,000 items 0.1 -> 0.01 ms)
-    layout.skeleton.length = len(skeleton)
+    layout.skeleton.length = len(skeleton) if skeleton is not None else 0
     count = len(layout.files)
     if count == 1:
         results = [write_file(0)]
@@ -445,8 +493,16 @@ def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: Byte
     for pos, hash_s in results:
         written.nbytes += pos
         written.hash_s += hash_s
-    written.items = sum(len(items) for items in layout.files) + 1
+    written.items = sum(len(items) for items in layout.files) + (skeleton is not None)
 
+
+def save(source: Callable[[Any], Any], skeleton: bytes, path: Path, layout: ByteLayout, written: Written, *,
+         device: Any = None) -> None:
+    """Write every tensor of ``layout`` and the pickled ``skeleton`` into the existing directory
+    ``path`` (:func:`write_files`) and finish it (``.metadata`` last), recording what was
+    written in ``written``. A failure of any file is raised once every file is finished, and
+    no ``.metadata`` is written."""
+    write_files(source, skeleton, path, layout, written, device=device)
     write_metadata(path, layout.metadata, written, layout=layout)
 
 

@@ -1,0 +1,195 @@
+"""A collective save of replicated plain tensors without DCP's planning (write/spread.py), on real
+gloo ranks: each rank writes its share and its own copies of the tensors that differ, rank 0 the
+merged ``.metadata``; the checkpoint holds what a save planned by DCP holds (the same keys,
+shapes, dtypes and per-rank copies), loads back on every rank as it was saved (by our loader and
+by DCP's own), and a failure on one rank fails the save on every rank without a ``.metadata``.
+Sync and async, 2 and 4 ranks. The Lightning runs of tests/test_per_rank.py and
+tests/test_distributed.py save through it too (DDP, sync and async)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.harness.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _state(rank: int) -> dict:
+    """What a DDP rank saves: equal weights of several dtypes and shapes (0-dim and empty too),
+    BatchNorm statistics of its own, and Python values."""
+    g = torch.Generator().manual_seed(0)
+    weights = {f"layer{i}.weight": torch.randn(64 + 7 * i, generator=g) for i in range(24)}
+    weights.update({"emb.weight": torch.randn(33, 5, generator=g).to(torch.bfloat16),
+                    "mask": torch.rand(17, generator=g) > 0.5, "count": torch.tensor(12, dtype=torch.int64),
+                    "empty": torch.zeros(0, 3), "scale": torch.tensor(0.5)})
+    return {"state_dict": weights, "bn": {"running_mean": torch.full((6,), float(rank)),
+                                          "num_batches": torch.tensor(10 + rank)},
+            "epoch": 2, "loops": {"names": ["a", "b"], "done": True}}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _described(path: Path) -> dict:
+    """Each saved key's dtype and size (None for a byte item), as DCP's reader gives them."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {fqn: (md.properties.dtype, tuple(md.size)) if isinstance(md, TensorStorageMetadata) else None
+            for fqn, md in metadata.state_dict_metadata.items()}
+
+
+def _rank(rank: int, world: int, port: int, root: str, asynchronous: bool, errors) -> None:
+    try:
+        _scenario(rank, world, port, Path(root), asynchronous)
+    except BaseException:  # noqa: BLE001 - reported to the test
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def _scenario(rank: int, world: int, port: int, root: Path, asynchronous: bool) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from areal_lightning.errors import AreaLightningError
+    from areal_lightning.write import spread
+    from areal_lightning.write.dcp import DCPEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    engine = DCPEngine(collective=True)
+
+    def save(state: dict, name: str) -> Path:
+        engine.save(state, root / name, asynchronous=asynchronous)
+        if asynchronous:
+            engine.wait_for_staging()
+            live = state["state_dict"]["layer0.weight"]
+            kept = live.clone()
+            live.add_(1000)  # after staging: not in this save
+            engine.wait_all("the test's save")
+            live.copy_(kept)
+        return root / name
+
+    # 1. Spread: no plan made, every rank writes a share of the equal tensors and its own
+    #    copies of those that differ; every rank loads back its own state.
+    state = _state(rank)
+    first = save(state, "first")
+    assert not engine._plan_keys, "a spread save makes no DCP plan"
+    plan = engine._spread
+    assert plan is not None
+    assert _equal(engine.load(first), state), "a rank's load gives back what it saved"
+    dist.barrier()
+    described = _described(first)
+    per_rank = {f"areal_per_rank/{world}/{r}/bn.{k}" for r in range(1, world) for k in ("running_mean", "num_batches")}
+    assert per_rank <= described.keys()
+    from torch.distributed.checkpoint import FileSystemReader
+    storage = FileSystemReader(str(first)).read_metadata().storage_data
+    owners = {index.fqn: int(info.relative_path.split("_")[2]) for index, info in storage.items()}
+    assert {owners[key] for key in owners if key.startswith("state_dict.")} == set(range(world)), \
+        "every rank writes a share of the equal tensors"
+    assert all(owners[key] == int(key.split("/")[2]) for key in per_rank), "each rank writes its own copies"
+    assert owners["bn.running_mean"] == 0 and sum(1 for key in owners if key == "state_dict.layer3.weight") == 1
+
+    # 2. Converted to torch's own layout (every item read and verified), DCP's reader loads it:
+    #    rank 0's copy under the usual key, each per-rank copy under its key.
+    if rank == 0:
+        from areal_lightning import convert
+
+        stock = convert(first, "dcp", root / "stock")
+        template = {"state_dict.layer5.weight": torch.empty(99), "bn.running_mean": torch.empty(6),
+                    f"areal_per_rank/{world}/{world - 1}/bn.running_mean": torch.empty(6)}
+        dcp.load(template, checkpoint_id=str(stock), no_dist=True)
+        assert torch.equal(template["state_dict.layer5.weight"], state["state_dict"]["layer5.weight"])
+        assert torch.equal(template["bn.running_mean"], torch.zeros(6))
+        assert torch.equal(template[f"areal_per_rank/{world}/{world - 1}/bn.running_mean"],
+                           torch.full((6,), world - 1.0))
+
+    # 2b. The next save reuses the plan; rank 1's CRC32Cs are in .metadata: a flipped byte in its
+    #    file is found at load, naming the file.
+    state["state_dict"]["layer1.weight"].mul_(2)
+    second = save(state, "second")
+    assert engine._spread is plan
+    assert _equal(engine.load(second), state)
+    dist.barrier()
+    if rank == 1:
+        victim = next(p for p in sorted(second.glob("__1_*.distcp")) if p.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    with pytest.raises(AreaLightningError, match=r"__1_\d\.distcp"):
+        engine.load(second)
+
+    # 3. The same keys, dtypes and sizes as DCP's planned save of the same state.
+    original = spread.plan
+    spread.plan = lambda *args, **kwargs: None  # every rank alike: DCP plans this one
+    try:
+        planned = save(_state(rank), "planned")
+    finally:
+        spread.plan = original
+    assert engine._plan_keys, "that save was planned by DCP"
+    dist.barrier()
+    assert _described(planned) == described
+
+    # 5. The tensors that differ change: a new plan, still exact (a copy of each rank's own shape).
+    same = _state(0)  # the BatchNorm statistics are equal on every rank now
+    same["bn"]["histogram"] = torch.arange(3 + rank)
+    third = save(same, "third")
+    assert engine._spread is not None and engine._spread is not plan
+    assert [k for k in _described(third) if k.startswith("areal_per_rank/")] == \
+        [f"areal_per_rank/{world}/{r}/bn.histogram" for r in range(1, world)]
+    assert _equal(engine.load(third), same)
+
+    # 6. A failure on one rank fails the save on every rank; no .metadata is written; the next
+    #    save (the plan's first success) commits. The failing rank's plan was never confirmed.
+    fresh = DCPEngine(collective=True)
+    if rank == world - 1:
+        os.environ["AREAL_LIGHTNING_FAULT"] = "engine.after_shard_file:raise"
+    with pytest.raises(AreaLightningError, match="InjectedFault" if rank == world - 1 else f"rank {world - 1}"):
+        fresh.save(state, root / "failed", asynchronous=asynchronous)
+        fresh.wait_all("the failing save")
+    os.environ.pop("AREAL_LIGHTNING_FAULT", None)
+    dist.barrier()
+    assert not (root / "failed" / ".metadata").exists()
+    engine.close()
+    engine = fresh
+    after = save(state, "after")
+    assert _equal(engine.load(after), state)
+
+    # 7. A tensor a spread save does not take (quantized): DCP plans that save, which loads as it was.
+    odd = _state(rank)
+    odd["quantized"] = torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.1, 0, torch.qint8)
+    save(odd, "odd")
+    assert engine._plan_keys and engine._spread is None
+    assert _equal(engine.load(root / "odd"), odd)
+    engine.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,how", [(2, "sync"), (2, "async"), (4, "async")])
+def test_a_collective_save_of_replicated_tensors_is_spread_without_planning_and_loads_exactly(tmp_path, world, how) -> None:
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_rank, args=(world, free_port(), str(tmp_path), how == "async", errors), nprocs=world)
+    except Exception:  # noqa: BLE001 - the ranks' own tracebacks say more
+        reports = []
+        while not errors.empty():
+            reports.append(errors.get())
+        pytest.fail("\n".join(reports) or traceback.format_exc())
