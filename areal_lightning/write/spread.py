@@ -106,8 +106,8 @@ def plan(gathered: Sequence[tuple[Mapping[str, tuple], Any]], differ: Sequence[s
     ``signature``: this rank's tensors' layout signature (``None`` where it made no offer);
     ``last``: the plan of the last save, returned as it is when nothing it depends on changed."""
     offers = tuple(offer for _, offer in gathered)
-    if signature is None or any(offer is None for offer in offers):
-        return None
+    if signature is None or any(offer is None or offer[2] != ONE_PASS_WRITE for offer in offers):
+        return None  # also a rank whose writer places items otherwise (rank 0 makes every rank's layout)
     prints = [fingerprints for fingerprints, _ in gathered]
     first = prints[0]
     if any(other.keys() != first.keys() for other in prints[1:]) or len(first) != len(signature):
