@@ -143,3 +143,17 @@ def test_memory_tier_benchmark_runs_and_writes_its_json(tmp_path) -> None:
     assert doc["resume"]["memory"]["steps_trained_twice"] == 1  # crashed after step 7: resumed after step 6
     assert doc["resume"]["shared disk"]["steps_trained_twice"] == 3  # the shared tier's step 4
     assert "peer: host copy of the same tensors" in proc.stdout
+
+
+def test_sharded_slot_benchmark_runs_on_two_fsdp2_ranks_and_writes_its_json(tmp_path) -> None:
+    out = tmp_path / "sharded_slot.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sharded_slot.py"), "--layers", "4", "--width", "8",
+                           "--repeats", "2", "--workdir", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert sorted(doc["results"]) == ["0", "1"]
+    for row in doc["results"].values():
+        assert row["tensors"] == 4 * 4 and set(row["median_s"]) == {"tier_write", "dcp_local", "host_copy"}
+        assert all(t > 0 for t in row["median_s"].values())
+    assert "tier_write" in proc.stdout and "/ host copy" in proc.stdout

@@ -60,7 +60,7 @@ from areal_lightning.layout import COMMIT_MARKER, MEMORY_SEAL, memory_slot
 from areal_lightning.telemetry import folder_bytes
 from areal_lightning.write.checksum import Written, file_crc32c
 from areal_lightning.write.dcp_format import SKELETON_KEY, flatten
-from areal_lightning.write.direct import ByteLayout, Signatures, skeleton_bytes
+from areal_lightning.write.direct import ByteLayout, LocalShards, Signatures, skeleton_bytes
 from areal_lightning.commit.peer import PeerCopy, receive_slot, send_slot
 from areal_lightning.write.persist import persist as persist_slot
 from areal_lightning.write.persist import resume_view
@@ -242,6 +242,8 @@ class MemoryTier:
         self._files: dict[int, SlotFile] = {}
         self._paths: dict[str, Any] = {}  # flatten's memo: the dotted paths of the state dicts, kept while they hold
         self._signatures = Signatures()  # each write's layout signature, checked in one call while it holds
+        self._local_shards = LocalShards()  # sharded tensors (FSDP) as their local chunks
+        self._shard_signatures = Signatures()  # the signature of those local chunks' flat dict
         self._sealed: dict[int, int] = {}  # slot -> its sealed serial (this process's view)
         self._serial = 0
         self._newest: int | None = None  # the slot of the newest sealed state (never the next one written)
@@ -253,7 +255,7 @@ class MemoryTier:
         self._persist_failure: BaseException | None = None
         self._last_slot: int | None = None  # the slot of the last write
         self._failure: BaseException | None = None
-        self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (sharded tensors)
+        self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (see write())
         self.last_copy_s = 0.0
         """Seconds the last :meth:`write` held training besides the stall (flatten, the
         copy into the slot with the host tensors' checksums; a state DCP plans: also
@@ -467,7 +469,10 @@ class MemoryTier:
         module doc); raises a failure of an earlier background part (a seal, a peer copy). Call
         :meth:`wait_sealed` before the next optimizer step (CUDA: before the tensors ``late``
         names, parameters and optimizer states, change; the others may change once this
-        returns). A state DCP must plan (sharded tensors) is written and sealed here."""
+        returns). Sharded tensors (FSDP) are copied as their local chunks
+        (:class:`~areal_lightning.write.direct.LocalShards`); a state that is neither (a
+        ``ShardedTensor`` of several local shards, a quantized tensor) is written by DCP and
+        sealed here, in this thread."""
         self.wait_sealed()
         start = time.perf_counter()
         if self._last_step is not None and self._last_slot is None:  # the first write after a resume
@@ -481,25 +486,31 @@ class MemoryTier:
         self._sealed.pop(slot, None)
         flat = flatten(checkpoint, self._paths)
         skeleton: Any = flat.pop(SKELETON_KEY)  # a copy of the state's non-tensor parts: pickled in the background
-        key = self._signatures(flat, pinned=False)
+        signatures, chunks = self._signatures, None
+        key = signatures(flat, pinned=False)
+        if key is None:  # sharded tensors (FSDP): their local chunks, placed as DCP places a rank-local save's
+            shards = self._local_shards(flat)
+            if shards is not None:
+                signatures, (flat, chunks) = self._shard_signatures, shards
+                key = signatures(flat, pinned=False)
         written = Written()
         pending: PendingCopy | None = None
-        if key is None:  # sharded tensors: DCP plans and writes the slot (rank-local, in this thread)
+        if key is None:  # DCP plans and writes the slot (rank-local, in this thread)
             self._drop_file(slot)
             self._dcp_engine().save(checkpoint, folder)
             written = self._engine.last_written or written
             finish = None
         else:
             file = self._files.get(slot)
-            if file is None or file.key != key:
+            if file is None or file.key != key or file.layout.chunks != chunks:
                 self._drop_file(slot)
-                layout = ByteLayout(key, 1)
+                layout = ByteLayout(key, 1, chunks=chunks)
                 skeleton = skeleton_bytes(skeleton)  # its size is part of the space check
                 self._check_space(key, sum(item.nbytes for item in layout.files[0]) + len(skeleton))
                 file = self._files[slot] = SlotFile(folder, layout)
             # host tensors: copied and checksummed; CUDA tensors: queued on the copy stream
             pending = file.copy(flat, self._hasher(), COPY_THREADS, stream=self._cuda_stream(), late=late,
-                                plain=self._signatures.plain)
+                                plain=signatures.plain)
             finish = file
         self._serial += 1
         seal = {"format": SEAL_FORMAT, "serial": self._serial, "global_step": global_step, "world_size": world_size,

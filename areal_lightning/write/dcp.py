@@ -696,6 +696,9 @@ class DCPEngine:
                 else:  # placeholder (not touched): the read tensor replaces it
                     flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
                     allocated.add(fqn)
+        # a sharded tensor none of which this rank holds (a rank-local save has no record of it): given back as it is
+        held_nowhere = {fqn: value for fqn, value in given.items()
+                        if fqn not in flat and hasattr(value, "local_shards") and not value.local_shards()}
         planner = TemplateLoadPlanner(weights_only, allocated)
         self.last_read = reader.stats
         try:
@@ -720,6 +723,7 @@ class DCPEngine:
                     f"{planner.refused}"
                 ) from planner.refused
             raise CheckpointCorruptError(f"failed to read checkpoint {path}: {exc!r}") from exc
+        flat.update(held_nowhere)
         skeleton = flat.pop(SKELETON_KEY)
         for fqn, usual in own.items():
             flat[usual] = flat.pop(fqn)

@@ -70,7 +70,7 @@ from areal_lightning.write.dcp_format import SKELETON_KEY, save_skeleton
 from areal_lightning.write.durable import fsync_dir
 from areal_lightning.write.raw import RAW_DESCRIPTOR, is_raw, tensor_bytes
 
-__all__ = ["ByteLayout", "signature", "Signatures", "TensorSource", "tensors_of", "read_addresses", "freed_tensor", "write_files", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
+__all__ = ["ByteLayout", "signature", "Signatures", "LocalShards", "TensorSource", "tensors_of", "read_addresses", "freed_tensor", "write_files", "save", "write_metadata", "skeleton_bytes", "whole_reads"]
 
 SMALL = 1 << 20
 """Tensors of fewer bytes than this share one file (see :class:`ByteLayout`)."""
@@ -151,6 +151,65 @@ class Signatures:
         return key
 
 
+class LocalShards:
+    """A flat dict's sharded tensors (``DTensor``, FSDP2's; ``ShardedTensor`` of one local
+    shard, FSDP1's) as their local tensors, with where each local chunk sits in its tensor:
+    what a rank-local save of them writes (this rank's chunk of each, as DCP records it), made
+    without DCP's planning. The chunk of a ``DTensor`` (DCP's ``__create_chunk_list__``: about
+    13 us) is asked again only when the key's global shape, placements or mesh changed; a
+    step's call then costs under 1 us per tensor."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, tuple[Any, Any, Any, tuple[torch.Size, torch.Size]]] = {}
+
+    def __call__(self, flat: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]] | None:
+        """``(flat with each sharded tensor replaced by its local tensor, per tensor in order
+        None or (global size, offsets))``, a ``ShardedTensor`` of no local shard left out (as DCP
+        leaves it out of a rank-local save); ``None`` when ``flat`` holds no sharded tensor, or
+        one this rank holds in more than one chunk (then DCP plans the save)."""
+        local: dict[str, Any] = {}
+        chunks: list[Any] = []
+        found = False
+        tensor_type, cache = torch.Tensor, self._chunks
+        with torch.no_grad():  # to_local() without its autograd node
+            for key, value in flat.items():
+                if key == SKELETON_KEY or type(value) is tensor_type:
+                    local[key] = value
+                    if key != SKELETON_KEY:
+                        chunks.append(None)
+                    continue
+                mesh = getattr(value, "device_mesh", None)
+                if mesh is not None and hasattr(value, "to_local"):
+                    shape, placements = value.shape, value.placements
+                    cached = cache.get(key)
+                    if cached is not None and cached[2] is mesh and cached[0] == shape \
+                            and (cached[1] is placements or cached[1] == placements):
+                        chunk = cached[3]
+                    else:
+                        made = value.__create_chunk_list__()
+                        if len(made) != 1:
+                            return None
+                        chunk = (shape, torch.Size(made[0].offsets))
+                        cache[key] = (shape, placements, mesh, chunk)
+                    local[key] = value.to_local()
+                elif hasattr(value, "local_shards"):
+                    shards = value.local_shards()
+                    if not shards:  # none of it on this rank: a rank-local save has no record of it either
+                        found = True
+                        continue
+                    if len(shards) != 1:
+                        return None
+                    chunk = (value.size(), torch.Size(shards[0].metadata.shard_offsets))
+                    local[key] = shards[0].tensor
+                else:
+                    local[key] = value  # not a tensor DCP shards: signature() decides
+                    chunks.append(None)
+                    continue
+                found = True
+                chunks.append(chunk)
+        return (local, tuple(chunks)) if found else None
+
+
 @dataclass
 class _Item:
     key: str
@@ -163,8 +222,13 @@ class _Item:
 class ByteLayout:
     """Where a save puts each tensor, and the ``Metadata`` it pickles (see module doc)."""
 
-    def __init__(self, key: tuple[Any, ...], thread_count: int, rank: int = 0) -> None:
+    def __init__(self, key: tuple[Any, ...], thread_count: int, rank: int = 0,
+                 chunks: tuple[tuple[torch.Size, torch.Size] | None, ...] | None = None) -> None:
         self.key = key
+        self.chunks = chunks
+        """Per entry of ``key``: ``None`` for a whole tensor, or ``(global size, offsets)`` of a
+        sharded tensor's local chunk (:class:`LocalShards`), recorded as DCP records a rank-local
+        save's chunk of a ``DTensor`` / ``ShardedTensor``; ``None`` for all."""
         self.rank = rank
         """The rank whose data files these are (``__{rank}_{i}.distcp``): 0 but in a collective
         save, where each rank writes its part (:meth:`merged`)."""
@@ -197,15 +261,16 @@ class ByteLayout:
             ends[index] += nbytes
         for i, (fqn, shape, dtype, requires_grad, pinned) in enumerate(key):  # metadata in the state's order
             size = shared(shape)
-            zeros = shared((0,) * len(shape))
+            whole, at = (size, shared((0,) * len(shape))) if chunks is None or chunks[i] is None \
+                else (shared(chunks[i][0]), shared(chunks[i][1]))
             props = properties.setdefault((dtype, requires_grad, pinned), TensorProperties(
                 dtype=dtype, layout=torch.strided, requires_grad=requires_grad,
                 memory_format=torch.contiguous_format, pin_memory=pinned))
-            entries[fqn] = TensorStorageMetadata(properties=props, size=size,
-                                                 chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)])
+            entries[fqn] = TensorStorageMetadata(properties=props, size=whole,
+                                                 chunks=[ChunkStorageMetadata(offsets=at, sizes=size)])
             index, offset, nbytes = placed[i]
             info = storage_info(f"__{rank}_{index}{DATA_SUFFIX}", offset, nbytes, [RAW_DESCRIPTOR])
-            storage[MetadataIndex(fqn, zeros, 0)] = info
+            storage[MetadataIndex(fqn, at, 0)] = info
             self.files[index].append(_Item(fqn, offset, nbytes, info, i))
         for items in self.files:
             items.sort(key=lambda item: item.offset)
@@ -233,7 +298,7 @@ class ByteLayout:
         ``.metadata``); each rank writes its own part."""
         first = parts[0]
         merged = cls.__new__(cls)
-        merged.key, merged.rank, merged.skeleton = first.key, 0, first.skeleton
+        merged.key, merged.chunks, merged.rank, merged.skeleton = first.key, first.chunks, 0, first.skeleton
         merged.files = [items for part in parts for items in part.files]
         merged.spans = [span for part in parts for span in part.spans]
         entries = dict(first.metadata.state_dict_metadata)
