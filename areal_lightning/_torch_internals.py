@@ -93,7 +93,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 __all__ = ["PRIVATE_NAMES", "DATA_SUFFIX", "storage_info", "FsspecFileSystem", "set_plan_cache_key", "cached_save_plan",
            "send_changed_plan", "drop_plan_cache",
-           "sharded_tensor_types", "rebuild_sharded_tensor", "pin_memory", "original_module", "COMPILED_SEGMENT",
+           "sharded_tensor_types", "rebuild_sharded_tensor", "sharded_tensor_group_size", "pin_memory", "original_module", "COMPILED_SEGMENT",
            "index_sampler", "loader_subclass", "swap_class", "quiet_dcp_debug_log", "save_flat_state_dict", "load_flat_state_dict",
            "WRAPPER_SEGMENTS", "HF_INSTANCE_STATE", "PEFT_LOADED_FLAG", "remove_warning_filter", "clear_cuda_error",
            "count_azure_retries", "copy_tensors", "tensor_check", "DATA_PTR_FUNCTION", "has_storage"]
@@ -222,6 +222,16 @@ def sharded_tensor_types() -> tuple[type, type]:
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     return ShardedTensor, Shard
+
+
+def sharded_tensor_group_size(value: Any) -> int:
+    """The number of ranks a ``ShardedTensor`` is sharded over (its process group's size, read
+    from ``ShardedTensor._process_group``: FSDP1's hybrid sharding shards within a node, and a
+    collective save that writes each rank's shard without de-duplication must know whether
+    another rank holds the same one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(value._process_group)
 
 
 def rebuild_sharded_tensor(shards: list[Any], metadata: Any, like: Any) -> Any:

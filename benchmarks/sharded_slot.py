@@ -1,4 +1,4 @@
-"""The memory tier's save point under FSDP2: what a step waits for, against a host copy of the same shards.
+"""Saves of FSDP2 shards without DCP's planning: the memory tier's save point and a collective save, against a host copy.
 
 Usage::
 
@@ -14,6 +14,9 @@ Each rank then times, interleaved, medians over ``--repeats``:
   dcp_local    ``DCPEngine.save`` of the same state, rank-local (DCP plans it item by item: what
                the tier did for sharded states before ``LocalShards``), into a new folder each time
   host_copy    the peer: ``copy_`` of every local shard into host buffers made once
+  shared_spread  a collective sync save of the same state into a new folder (``DCPEngine(collective=True)``:
+               spread over the ranks without planning, write/spread.py; every rank's call)
+  shared_dcp   the same save planned by DCP (what it was before write/spread.py took sharded tensors)
 
 and prints rank 0's table (the ratio is against ``host_copy``) and writes every rank's numbers
 to the JSON.
@@ -37,7 +40,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_json  # noqa: E402
 
-METHODS = ("tier_write", "dcp_local", "host_copy")
+METHODS = ("tier_write", "dcp_local", "host_copy", "shared_spread", "shared_dcp")
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, workdir: str, results: Any) -> None:
@@ -71,6 +74,21 @@ def _rank(rank: int, args: argparse.Namespace, port: int, workdir: str, results:
     root = Path(workdir) / f"rank{rank}"
     tier = MemoryTier(MemoryConfig(enabled=True).validate(), root / "tier", rank)
     engine = DCPEngine()
+    shared = {False: DCPEngine(collective=True), True: DCPEngine(collective=True)}  # one each: its plan kept
+    shared_root = Path(workdir) / "shared"
+    from areal_lightning.write import spread
+
+    spread_plan = spread.plan
+
+    def collective(folder: Path, planned: bool) -> float:
+        spread.plan = (lambda *a, **k: None) if planned else spread_plan  # every rank alike
+        try:
+            dist.barrier()
+            start = time.perf_counter()
+            shared[planned].save(state, folder)
+            return time.perf_counter() - start
+        finally:
+            spread.plan = spread_plan
     times: dict[str, list[float]] = {m: [] for m in METHODS}
 
     def host_copy() -> None:
@@ -91,12 +109,22 @@ def _rank(rank: int, args: argparse.Namespace, port: int, workdir: str, results:
         start = time.perf_counter()
         host_copy()
         copy_s = time.perf_counter() - start
+        spread_s = collective(shared_root / f"spread{repeat}", planned=False)
+        planned_s = collective(shared_root / f"dcp{repeat}", planned=True)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(shared_root / f"spread{repeat}")
+            shutil.rmtree(shared_root / f"dcp{repeat}")
         if repeat >= 2:
             times["tier_write"].append(tier_s)
             times["dcp_local"].append(dcp_s)
             times["host_copy"].append(copy_s)
+            times["shared_spread"].append(spread_s)
+            times["shared_dcp"].append(planned_s)
     tier.close()
     engine.close()
+    for each in shared.values():
+        each.close()
     results.put((rank, len(shards), sum(t.numel() * t.element_size() for t in shards),
                  {m: statistics.median(v) for m, v in times.items()}))
     dist.barrier()
@@ -131,9 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     first = rows[0]
     print(f"FSDP2, {args.ranks} ranks, {args.layers} layers of {args.width} x {args.width} + Adam: rank 0 holds "
           f"{first['tensors']} local shards, {first['mb']:.1f} MB (median of {args.repeats}, workdir {workdir})")
-    print(f"{'method':<12}{'ms':>10}{'/ host copy':>14}")
+    print(f"{'method':<14}{'ms':>10}{'/ host copy':>14}")
     for m in METHODS:
-        print(f"{m:<12}{1000 * first['median_s'][m]:>10.2f}{first['ratio_to_host_copy'][m]:>14.2f}")
+        print(f"{m:<14}{1000 * first['median_s'][m]:>10.2f}{first['ratio_to_host_copy'][m]:>14.2f}")
     write_json(args.json, {"benchmark": "sharded_slot", "layers": args.layers, "width": args.width,
                            "ranks": args.ranks, "repeats": args.repeats, "workdir": str(Path(workdir).parent),
                            "results": {str(rank): row for rank, row in sorted(rows.items())}})

@@ -154,6 +154,7 @@ def test_sharded_slot_benchmark_runs_on_two_fsdp2_ranks_and_writes_its_json(tmp_
     doc = json.loads(out.read_text())
     assert sorted(doc["results"]) == ["0", "1"]
     for row in doc["results"].values():
-        assert row["tensors"] == 4 * 4 and set(row["median_s"]) == {"tier_write", "dcp_local", "host_copy"}
+        assert row["tensors"] == 4 * 4 and set(row["median_s"]) == {"tier_write", "dcp_local", "host_copy",
+                                                                       "shared_spread", "shared_dcp"}
         assert all(t > 0 for t in row["median_s"].values())
     assert "tier_write" in proc.stdout and "/ host copy" in proc.stdout

@@ -193,3 +193,120 @@ def test_a_collective_save_of_replicated_tensors_is_spread_without_planning_and_
         while not errors.empty():
             reports.append(errors.get())
         pytest.fail("\n".join(reports) or traceback.format_exc())
+
+
+def _chunked(path: Path) -> dict:
+    """Each saved key's dtype, global size and sorted chunks (offsets, sizes); None for a byte item."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {fqn: (md.properties.dtype, tuple(md.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+            if isinstance(md, TensorStorageMetadata) else None for fqn, md in metadata.state_dict_metadata.items()}
+
+
+def _sharded_rank(rank: int, world: int, port: int, root: str, strategy: str, asynchronous: bool, errors) -> None:
+    try:
+        _sharded(rank, world, port, Path(root), strategy, asynchronous)
+    except BaseException:  # noqa: BLE001 - reported to the test
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def _sharded(rank: int, world: int, port: int, root: Path, strategy: str, asynchronous: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from areal_lightning.write import spread
+    from areal_lightning.write.dcp import DCPEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    # rows 7, 1 and 3 over the ranks: uneven shards, and some rank holds none of the 1-row weight;
+    # a BatchNorm's statistics stay replicated tensors of each rank's own
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 1),
+                                torch.nn.Linear(1, 3, bias=False))
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[2], model[3]):
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 5) + rank).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def state() -> dict:
+        weights, optim = get_state_dict(model, optimizer)
+        return {"state_dict": weights, "optimizer_states": [optim], "epoch": 1}
+
+    def local(value):
+        if hasattr(value, "to_local"):
+            return value.to_local()
+        if hasattr(value, "local_shards"):
+            shards = value.local_shards()
+            return shards[0].tensor if shards else None
+        return value
+
+    engine = DCPEngine(collective=True)
+
+    def save(name: str) -> Path:
+        engine.save(state(), root / name, asynchronous=asynchronous)
+        engine.wait_all("the test's save")
+        return root / name
+
+    spread_path = save("spread")
+    assert not engine._plan_keys and engine._spread is not None, "a spread save makes no DCP plan"
+    original = spread.plan
+    spread.plan = lambda *args, **kwargs: None  # every rank alike: DCP plans this one
+    try:
+        planned = save("planned")
+    finally:
+        spread.plan = original
+    assert engine._plan_keys
+    dist.barrier()
+    assert _chunked(spread_path) == _chunked(planned), "the keys, sizes, dtypes and chunks of DCP's save"
+    per_rank = [k for k in _chunked(spread_path) if k.startswith("areal_per_rank/")]
+    assert per_rank and all("running_mean" in k or "running_var" in k or "num_batches" in k for k in per_rank)
+
+    want = state()
+    live = state()
+    with torch.no_grad():
+        for value in live["state_dict"].values():
+            tensor = local(value)
+            if tensor is not None:
+                tensor.zero_()
+    loaded = engine.load(spread_path, template=live)
+    for key, value in want["state_dict"].items():
+        got, expected = local(loaded["state_dict"][key]), local(value)
+        assert (got is None and expected is None) or torch.equal(got, expected), key
+    for key, entry in want["optimizer_states"][0]["state"].items():
+        for name, tensor in entry.items():
+            got, expected = local(loaded["optimizer_states"][0]["state"][key][name]), local(tensor)
+            assert (got is None and expected is None) or torch.equal(got, expected), (key, name)
+    engine.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy,how", [("fsdp2", "sync"), ("fsdp2", "async"), ("fsdp1", "sync")])
+def test_a_collective_save_of_sharded_tensors_is_spread_as_dcp_would_write_it(tmp_path, strategy, how) -> None:
+    """FSDP2 / FSDP1 on 2 ranks: each rank writes its own chunk of every sharded tensor (uneven
+    and empty ones too) and its share of the replicated ones (BatchNorm statistics of its own:
+    per-rank copies); the keys, sizes, dtypes and chunks are those of DCP's planned save of the
+    same state, and a load into the live shards gives every rank its state back."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_sharded_rank, args=(2, free_port(), str(tmp_path), strategy, how == "async", errors), nprocs=2)
+    except Exception:  # noqa: BLE001 - the ranks' own tracebacks say more
+        reports = []
+        while not errors.empty():
+            reports.append(errors.get())
+        pytest.fail("\n".join(reports) or traceback.format_exc())

@@ -12,8 +12,9 @@ nor of how a written directory is committed (that is :mod:`areal_lightning.commi
     async: staged into host buffers made once per layout, then written by this process's
     threads or, with ``async_executor="process"``, by a checkpoint process,
     :mod:`areal_lightning.write.process`); so is a collective save of plain tensors that every
-    rank holds whole (DDP), spread over the ranks by :mod:`areal_lightning.write.spread` (sync,
-    and async with the thread executor); every other save is planned and written by DCP,
+    rank holds whole (DDP) and of sharded ones (FSDP2, FSDP1: each rank's local chunks), spread
+    over the ranks by :mod:`areal_lightning.write.spread` (sync, and async with the thread
+    executor); every other save is planned and written by DCP,
     async ones staged through the engine's :class:`~areal_lightning.stage.BackgroundWorker`
     (its :class:`~areal_lightning.stage.HostStager` is DCP's ``async_stager``). Every item is checksummed (CRC32C) in DCP's writer threads as
     it is written, and the checksums go into ``.metadata`` with DCP's item records
@@ -240,7 +241,9 @@ class DCPEngine:
         self._layout: direct.ByteLayout | None = None  # of the last rank-local save of plain tensors
         self._paths: dict[str, Any] = {}  # flatten's memo: the dotted paths of the state dicts
         self._signatures = direct.Signatures()  # an async save's layout signature, checked in one call while it holds
-        self._offers = spread.Tokens()  # a collective sync save's offer to be spread (write/spread.py)
+        self._offers = spread.Tokens()  # a collective save's offer to be spread (write/spread.py)
+        self._local_shards = direct.LocalShards()  # its sharded tensors as their local chunks
+        self._local_signatures = direct.Signatures()  # the signature of those chunks
         self._spread: spread.Plan | None = None  # this rank's part of the last spread save
         self._buffers: tuple[direct.ByteLayout, dict[str, torch.Tensor]] | None = None  # its async staging buffers
         self._copy_into: tuple[dict[str, torch.Tensor], direct.StagingCopy] | None = None  # their StagingCopy
@@ -304,7 +307,8 @@ class DCPEngine:
         rank = dist.get_rank() if collective else 0
         error: BaseException | None = None
         mine: Any = None
-        signature, plain = None, False
+        signature, plain, chunks = None, False, None
+        local: dict[str, Any] = {}
         try:
             self._worker.wait()
             fault_point("engine.before_staging")
@@ -317,10 +321,17 @@ class DCPEngine:
                 flat.pop(SKELETON_KEY)
             if collective:
                 # which replicated tensors are not equal on every rank (write/replicas.py), and
-                # whether this rank can write its part without DCP's planning (write/spread.py)
+                # whether this rank can write its part without DCP's planning (write/spread.py):
+                # plain tensors, or sharded ones as their local chunks
                 if isinstance(path, Path) and not (asynchronous and self.async_executor == "process"):
-                    signature, plain = self._signature(flat, pin_buffers() if asynchronous else None)
-                mine = (replicas.fingerprints(flat), self._offers(signature, self.thread_count))
+                    pinned = pin_buffers() if asynchronous else None
+                    signature, plain = self._signature(flat, pinned)
+                    if signature is None and (shards := self._local_shards(flat)) is not None \
+                            and self._local_shards.disjoint:
+                        local, chunks = shards
+                        signature, plain = self._signature(local, pinned, self._local_signatures)
+                mine = (replicas.fingerprints(flat),
+                        self._offers(None if signature is None else (signature, chunks), self.thread_count))
             if isinstance(path, str):  # object store: a fresh generation prefix, no folders to make
                 writer = HashingWriter(path, single_file_per_rank=True, sync_files=False,
                                        thread_count=self.thread_count)
@@ -339,14 +350,17 @@ class DCPEngine:
             # rank's fingerprints: a tensor that differs is stored per rank.
             gathered = self.ranks.agree(error, f"checkpoint save to {what}", mine)
             differ = replicas.differing([fingerprints for fingerprints, _ in gathered])
-            self._spread = spread.plan(gathered, differ, rank, signature, self.thread_count, self._spread)
-            values = [value for key, value in flat.items() if key != SKELETON_KEY] if self._spread else None
+            self._spread = spread.plan(gathered, differ, rank, signature, self.thread_count, self._spread, chunks)
+            written_from = local if chunks is not None else flat  # sharded tensors: their local chunks
+            values = [value for key, value in written_from.items() if key != SKELETON_KEY] if self._spread else None
             replicas.store_per_rank(flat, differ, rank, len(gathered))
+            if self._spread is not None and chunks is not None:
+                replicas.store_per_rank(local, differ, rank, len(gathered))
             if self._spread is not None and asynchronous:
-                self._spread_start(flat, values, plain, path, writer, then, what, label, rank)
+                self._spread_start(written_from, values, plain, path, writer, then, what, label, rank)
                 return
             if self._spread is not None:
-                self._spread_save(flat, values, plain, path, writer, then, what, rank)
+                self._spread_save(written_from, values, plain, path, writer, then, what, rank)
                 return
         if not asynchronous:
             error = None
@@ -549,7 +563,8 @@ class DCPEngine:
             self._copy_into = (buffers, direct.StagingCopy(buffers))
         return self._copy_into[1]
 
-    def _signature(self, flat: dict[str, Any], pinned: bool | None) -> tuple[tuple[Any, ...] | None, bool]:
+    def _signature(self, flat: dict[str, Any], pinned: bool | None,
+                   signatures: direct.Signatures | None = None) -> tuple[tuple[Any, ...] | None, bool]:
         """:func:`~areal_lightning.write.direct.signature` of ``flat``, by
         :class:`~areal_lightning.write.direct.Signatures`: one check of its tensors while they
         stay alike (the skeleton set aside meanwhile, then put back last). ``pinned``: an async
@@ -561,13 +576,14 @@ class DCPEngine:
             if pinning_possible():
                 return direct.signature(flat, None), False
             pinned = False
+        signatures = signatures or self._signatures  # another one for sharded tensors' local chunks
         skeleton = flat.pop(SKELETON_KEY, _NO_SKELETON)
         try:
-            key = self._signatures(flat, pinned)
+            key = signatures(flat, pinned)
         finally:
             if skeleton is not _NO_SKELETON:
                 flat[SKELETON_KEY] = skeleton
-        return key, key is not None and self._signatures.plain
+        return key, key is not None and signatures.plain
 
     def _direct_layout(self, flat: dict[str, Any], pinned: bool | None = None) -> tuple[direct.ByteLayout | None, bool]:
         """The layout of a save of ``flat`` that needs no plan (reused while the keys, shapes

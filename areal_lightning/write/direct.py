@@ -48,6 +48,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -60,7 +61,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from areal_lightning._fault import fault_enabled, fault_point
-from areal_lightning._torch_internals import DATA_PTR_FUNCTION, DATA_SUFFIX, has_storage, storage_info, tensor_check
+from areal_lightning._torch_internals import (DATA_PTR_FUNCTION, DATA_SUFFIX, has_storage, sharded_tensor_group_size,
+                                              storage_info, tensor_check)
 from areal_lightning.errors import CheckpointWriteError, UsageError
 from areal_lightning.layout import COMMIT_MARKER
 from areal_lightning.stage.host import bind_thread_to
@@ -151,6 +153,10 @@ class Signatures:
         return key
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class LocalShards:
     """A flat dict's sharded tensors (``DTensor``, FSDP2's; ``ShardedTensor`` of one local
     shard, FSDP1's) as their local tensors, with where each local chunk sits in its tensor:
@@ -160,7 +166,12 @@ class LocalShards:
     step's call then costs under 1 us per tensor."""
 
     def __init__(self) -> None:
-        self._chunks: dict[str, tuple[Any, Any, Any, tuple[torch.Size, torch.Size]]] = {}
+        self._chunks: dict[str, tuple[Any, Any, Any, tuple[torch.Size, torch.Size], bool]] = {}
+        self.disjoint = True
+        """Whether the last call's chunks are each held by one rank only (a ``DTensor`` of
+        ``Shard`` placements only over a mesh of every rank, a ``ShardedTensor`` sharded over
+        every rank): what a collective save of them without de-duplication needs
+        (:mod:`areal_lightning.write.spread`)."""
 
     def __call__(self, flat: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]] | None:
         """``(flat with each sharded tensor replaced by its local tensor, per tensor in order
@@ -169,7 +180,7 @@ class LocalShards:
         one this rank holds in more than one chunk (then DCP plans the save)."""
         local: dict[str, Any] = {}
         chunks: list[Any] = []
-        found = False
+        found, disjoint = False, True
         tensor_type, cache = torch.Tensor, self._chunks
         with torch.no_grad():  # to_local() without its autograd node
             for key, value in flat.items():
@@ -182,15 +193,16 @@ class LocalShards:
                 if mesh is not None and hasattr(value, "to_local"):
                     shape, placements = value.shape, value.placements
                     cached = cache.get(key)
-                    if cached is not None and cached[2] is mesh and cached[0] == shape \
-                            and (cached[1] is placements or cached[1] == placements):
-                        chunk = cached[3]
-                    else:
+                    if cached is None or cached[2] is not mesh or cached[0] != shape \
+                            or (cached[1] is not placements and cached[1] != placements):
                         made = value.__create_chunk_list__()
                         if len(made) != 1:
                             return None
-                        chunk = (shape, torch.Size(made[0].offsets))
-                        cache[key] = (shape, placements, mesh, chunk)
+                        cached = cache[key] = (shape, placements, mesh, (shape, torch.Size(made[0].offsets)),
+                                               all(placement.is_shard() for placement in placements)
+                                               and mesh.size() == _world_size())
+                    chunk = cached[3]
+                    disjoint = disjoint and cached[4]
                     local[key] = value.to_local()
                 elif hasattr(value, "local_shards"):
                     shards = value.local_shards()
@@ -201,12 +213,14 @@ class LocalShards:
                         return None
                     chunk = (value.size(), torch.Size(shards[0].metadata.shard_offsets))
                     local[key] = shards[0].tensor
+                    disjoint = disjoint and sharded_tensor_group_size(value) == _world_size()
                 else:
                     local[key] = value  # not a tensor DCP shards: signature() decides
                     chunks.append(None)
                     continue
                 found = True
                 chunks.append(chunk)
+        self.disjoint = disjoint
         return (local, tuple(chunks)) if found else None
 
 
@@ -293,8 +307,8 @@ class ByteLayout:
     def merged(cls, parts: list[ByteLayout]) -> ByteLayout:
         """The layout of a collective save whose rank ``r`` writes the files of ``parts[r]``
         (made with ``rank=r``; rank 0's holds the skeleton): its ``Metadata`` is the union of
-        the parts' and its records are theirs (a CRC32C put on a part's record is the merged
-        layout's). Only its metadata, manifest and pickle are used (by rank 0, which writes
+        the parts' (a sharded tensor's entry lists every part's chunk of it) and its records are
+        theirs (a CRC32C put on a part's record is the merged layout's). Only its metadata, manifest and pickle are used (by rank 0, which writes
         ``.metadata``); each rank writes its own part."""
         first = parts[0]
         merged = cls.__new__(cls)
@@ -304,7 +318,14 @@ class ByteLayout:
         entries = dict(first.metadata.state_dict_metadata)
         storage = dict(first.metadata.storage_data)
         for part in parts[1:]:  # every part but rank 0's without its skeleton
-            entries.update((fqn, md) for fqn, md in part.metadata.state_dict_metadata.items() if fqn != SKELETON_KEY)
+            for fqn, md in part.metadata.state_dict_metadata.items():
+                have = entries.get(fqn)
+                if fqn == SKELETON_KEY:
+                    continue
+                if have is None:
+                    entries[fqn] = md
+                else:  # a sharded tensor: every rank's chunk of it
+                    entries[fqn] = TensorStorageMetadata(have.properties, have.size, [*have.chunks, *md.chunks])
             storage.update((index, info) for index, info in part.metadata.storage_data.items()
                            if index.fqn != SKELETON_KEY)
         merged._assembled(entries, storage)

@@ -24,8 +24,14 @@ layout key), and rank 0 writes the merged ``.metadata``
 pickle template). The checkpoint is the one DCP would have written: the same files, keys and
 records, readable by DCP's loader and by ours.
 
-A save goes this way only when every rank offers it (a sync save to a local folder of plain
-tensors: :func:`token`) and every rank has the same keys; else DCP plans it as before.
+Sharded tensors (FSDP2's ``DTensor`` s of ``Shard`` placements, FSDP1's ``ShardedTensor`` s of
+one local shard) go the same way: each rank writes its own chunk of each
+(:class:`~areal_lightning.write.direct.LocalShards`), and rank 0's ``.metadata`` lists every
+rank's chunk of it, as DCP's does.
+
+A save goes this way only when every rank offers it (a save to a local folder of plain or
+such sharded tensors, sync or by the thread executor: :class:`Tokens`) and every rank has the
+same replicated keys; else DCP plans it as before.
 """
 
 from __future__ import annotations
@@ -82,16 +88,17 @@ class Plan:
 
     def report(self) -> tuple[array, tuple[Any, ...] | None]:
         """What this rank sends after writing its files: its items' CRC32Cs, and its layout key
-        until :attr:`confirmed`."""
-        return self.layout.checksums(), None if self.confirmed else self.layout.key
+        and chunks until :attr:`confirmed`."""
+        return self.layout.checksums(), None if self.confirmed else (self.layout.key, self.layout.chunks)
 
     def merged(self, reports: Sequence[tuple[array, tuple[Any, ...] | None]]) -> ByteLayout:
         """Rank 0: the whole save's layout, every rank's CRC32Cs on its records (``reports``:
-        every rank's :meth:`report`). The other ranks' parts are made here from their keys, as
-        those ranks made them (the same key, thread count and writer: the same placement)."""
+        every rank's :meth:`report`). The other ranks' parts are made here from their keys and
+        chunks, as those ranks made them (the same key, chunks, thread count and writer: the
+        same placement)."""
         if self._merged is None:
-            self._parts = [self.layout] + [ByteLayout(key, self.thread_counts[rank], rank=rank)
-                                           for rank, (_, key) in enumerate(reports) if rank]
+            self._parts = [self.layout] + [ByteLayout(made[0], self.thread_counts[rank], rank=rank, chunks=made[1])
+                                           for rank, (_, made) in enumerate(reports) if rank]
             self._merged = ByteLayout.merged(self._parts)
         for part, (crcs, _) in zip(self._parts[1:], reports[1:]):
             part.set_checksums(crcs)
@@ -99,19 +106,24 @@ class Plan:
 
 
 def plan(gathered: Sequence[tuple[Mapping[str, tuple], Any]], differ: Sequence[str], rank: int,
-         signature: tuple[Any, ...] | None, thread_count: int, last: Plan | None) -> Plan | None:
+         signature: tuple[Any, ...] | None, thread_count: int, last: Plan | None,
+         chunks: tuple[Any, ...] | None = None) -> Plan | None:
     """This rank's :class:`Plan` of a collective save (see the module doc), or ``None`` (on
     every rank alike) when it cannot be spread. ``gathered``: every rank's ``(fingerprints,
     offer)`` from the save's agreement; ``differ``: the keys whose fingerprints differ;
     ``signature``: this rank's tensors' layout signature (``None`` where it made no offer);
-    ``last``: the plan of the last save, returned as it is when nothing it depends on changed."""
+    ``chunks``: per entry of it, ``None`` or the ``(global size, offsets)`` of this rank's
+    chunk of a sharded tensor (:class:`~areal_lightning.write.direct.LocalShards`: each held
+    by this rank alone, written by it); ``last``: the plan of the last save, returned as it
+    is when nothing it depends on changed."""
     offers = tuple(offer for _, offer in gathered)
     if signature is None or any(offer is None or offer[2] != ONE_PASS_WRITE for offer in offers):
         return None  # also a rank whose writer places items otherwise (rank 0 makes every rank's layout)
     prints = [fingerprints for fingerprints, _ in gathered]
     first = prints[0]
-    if any(other.keys() != first.keys() for other in prints[1:]) or len(first) != len(signature):
-        return None  # a key some rank lacks: DCP plans it
+    whole = len(signature) if chunks is None else sum(chunk is None for chunk in chunks)
+    if any(other.keys() != first.keys() for other in prints[1:]) or len(first) != whole:
+        return None  # a replicated key some rank lacks: DCP plans it
     token = (offers, tuple(differ))
     if last is not None and last.token == token:
         return last
@@ -123,15 +135,20 @@ def plan(gathered: Sequence[tuple[Mapping[str, tuple], Any]], differ: Sequence[s
             least = loads.index(min(loads))
             owner[fqn] = least
             loads[least] += math.prod(shape) * _DTYPES[dtype].itemsize
-    entries, positions = [], []
+    entries, positions, parts = [], [], []
     for position, entry in enumerate(signature):
         fqn = entry[0]
-        if fqn in differs:
+        chunk = chunks[position] if chunks is not None else None
+        if chunk is not None:
+            pass  # this rank's own chunk of a sharded tensor
+        elif fqn in differs:
             if rank:
                 entry = (f"{PREFIX}{world}/{rank}/{fqn}", *entry[1:])
         elif owner[fqn] != rank:
             continue
         entries.append(entry)
         positions.append(position)
-    return Plan(token, ByteLayout(tuple(entries), thread_count, rank=rank), positions,
-                [offer[1] for offer in offers])
+        parts.append(chunk)
+    layout = ByteLayout(tuple(entries), thread_count, rank=rank,
+                        chunks=tuple(parts) if any(chunk is not None for chunk in parts) else None)
+    return Plan(token, layout, positions, [offer[1] for offer in offers])
