@@ -227,12 +227,16 @@ def _sharded(rank: int, world: int, port: int, root: Path, strategy: str, asynch
     # a BatchNorm's statistics stay replicated tensors of each rank's own
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 1),
                                 torch.nn.Linear(1, 3, bias=False))
-    if strategy == "fsdp2":
+    if strategy in ("fsdp2", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # HSDP: replicated over the mesh's first dimension, sharded over its second (of 1 rank)
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if strategy == "hsdp" \
+            else None
         for layer in (model[0], model[2], model[3]):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -263,7 +267,10 @@ def _sharded(rank: int, world: int, port: int, root: Path, strategy: str, asynch
         return root / name
 
     spread_path = save("spread")
-    assert not engine._plan_keys and engine._spread is not None, "a spread save makes no DCP plan"
+    if strategy == "hsdp":  # every rank holds the same chunks: DCP plans the save (and de-duplicates them)
+        assert engine._plan_keys and engine._spread is None
+    else:
+        assert not engine._plan_keys and engine._spread is not None, "a spread save makes no DCP plan"
     original = spread.plan
     spread.plan = lambda *args, **kwargs: None  # every rank alike: DCP plans this one
     try:
@@ -296,12 +303,13 @@ def _sharded(rank: int, world: int, port: int, root: Path, strategy: str, asynch
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("strategy,how", [("fsdp2", "sync"), ("fsdp2", "async"), ("fsdp1", "sync")])
+@pytest.mark.parametrize("strategy,how", [("fsdp2", "sync"), ("fsdp2", "async"), ("fsdp1", "sync"), ("hsdp", "sync")])
 def test_a_collective_save_of_sharded_tensors_is_spread_as_dcp_would_write_it(tmp_path, strategy, how) -> None:
     """FSDP2 / FSDP1 on 2 ranks: each rank writes its own chunk of every sharded tensor (uneven
     and empty ones too) and its share of the replicated ones (BatchNorm statistics of its own:
     per-rank copies); the keys, sizes, dtypes and chunks are those of DCP's planned save of the
-    same state, and a load into the live shards gives every rank its state back."""
+    same state, and a load into the live shards gives every rank its state back. HSDP (chunks
+    replicated over ranks) is left to DCP, which de-duplicates them."""
     errors = mp.get_context("spawn").SimpleQueue()
     try:
         mp.spawn(_sharded_rank, args=(2, free_port(), str(tmp_path), strategy, how == "async", errors), nprocs=2)
