@@ -172,6 +172,18 @@ def _scenario(rank: int, world: int, port: int, root: Path, asynchronous: bool) 
     after = save(state, "after")
     assert _equal(engine.load(after), state)
 
+    # 6b. Rank 0 fails to write .metadata: every rank's wait() raises it (async: as DCP's planned
+    #     save, whose .metadata is written inside its last collective), and the plan is made anew.
+    if rank == 0:
+        os.environ["AREAL_LIGHTNING_FAULT"] = "engine.before_commit:raise"
+    with pytest.raises(AreaLightningError, match="InjectedFault" if rank == 0 else "rank 0"):
+        engine.save(state, root / "uncommitted", asynchronous=asynchronous)
+        engine.wait()
+    os.environ.pop("AREAL_LIGHTNING_FAULT", None)
+    dist.barrier()
+    assert not (root / "uncommitted" / ".metadata").exists()
+    assert _equal(engine.load(save(state, "committed")), state)
+
     # 7. A tensor a spread save does not take (quantized): DCP plans that save, which loads as it was.
     odd = _state(rank)
     odd["quantized"] = torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.1, 0, torch.qint8)
@@ -247,9 +259,15 @@ def _sharded(rank: int, world: int, port: int, root: Path, strategy: str, asynch
         optimizer.step()
         optimizer.zero_grad()
 
+    extra = {}
+    if strategy == "fsdp2":  # every rank holds an empty chunk of it, at the same offsets
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        extra["empty"] = distribute_tensor(torch.zeros(0, 3), init_device_mesh("cpu", (world,)), [Shard(0)])
+
     def state() -> dict:
         weights, optim = get_state_dict(model, optimizer)
-        return {"state_dict": weights, "optimizer_states": [optim], "epoch": 1}
+        return {"state_dict": weights, "optimizer_states": [optim], "epoch": 1, **extra}
 
     def local(value):
         if hasattr(value, "to_local"):
@@ -313,6 +331,44 @@ def test_a_collective_save_of_sharded_tensors_is_spread_as_dcp_would_write_it(tm
     errors = mp.get_context("spawn").SimpleQueue()
     try:
         mp.spawn(_sharded_rank, args=(2, free_port(), str(tmp_path), strategy, how == "async", errors), nprocs=2)
+    except Exception:  # noqa: BLE001 - the ranks' own tracebacks say more
+        reports = []
+        while not errors.empty():
+            reports.append(errors.get())
+        pytest.fail("\n".join(reports) or traceback.format_exc())
+
+
+def _swapped_rank(process: int, ports: tuple[int, int], root: str, errors) -> None:
+    try:
+        import torch.distributed as dist
+
+        from areal_lightning.write.dcp import DCPEngine
+
+        def state(rank: int) -> dict:
+            return {"state_dict": {f"w{i}": torch.arange(8.0) * i for i in range(6)},
+                    "bn": torch.full((4,), float(rank)), "epoch": 1}
+
+        engine = DCPEngine(collective=True, collective_timeout=60)
+        for rank, port, name in ((process, ports[0], "first"), (1 - process, ports[1], "swapped")):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+            for n in range(2):
+                engine.save(state(rank), Path(root) / f"{name}{n}")
+                assert engine._spread is not None and engine._spread.layout.rank == rank
+                assert _equal(engine.load(Path(root) / f"{name}{n}"), state(rank))
+            dist.barrier()
+            dist.destroy_process_group()
+        engine.close()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        errors.put(f"process {process}:\n{traceback.format_exc()}")
+        raise
+
+
+def test_a_process_whose_rank_changed_makes_its_plan_anew(tmp_path) -> None:
+    """The process group re-made with the ranks swapped (same world size, same states): each
+    process writes as its new rank, and the saves load back per rank."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_swapped_rank, args=((free_port(), free_port()), str(tmp_path), errors), nprocs=2)
     except Exception:  # noqa: BLE001 - the ranks' own tracebacks say more
         reports = []
         while not errors.empty():

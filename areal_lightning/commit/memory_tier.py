@@ -258,8 +258,8 @@ class MemoryTier:
         self._engine: Any = None  # a rank-local DCPEngine for states DCP must plan (see write())
         self.last_copy_s = 0.0
         """Seconds the last :meth:`write` held training besides the stall (flatten, the
-        copy into the slot with the host tensors' checksums; a state DCP plans: also
-        ``.metadata`` and the seal)."""
+        copy into the slot with the host tensors' checksums; a state DCP plans, see
+        :meth:`write`: also ``.metadata`` and the seal)."""
         self.last_stall_s = 0.0
         """Seconds the last :meth:`write` waited for a slot still being read."""
         self.last_wait_s = 0.0

@@ -421,19 +421,23 @@ class DCPEngine:
         ``values``: this rank's tensors in its signature's order."""
         part, written = self._spread, writer.checksums.written
         source = direct.tensors_of(flat, plain, [values[i] for i in part.positions])
-        reports = self._spread_write(part, source, flat[SKELETON_KEY] if rank == 0 else None, path, written,
-                                     writer.device, what, background=False)  # a failure: raised on every rank
-        self.last_written = written
-        error: BaseException | None = None
-        if rank == 0:
-            try:
-                self._spread_commit(part, reports, path, written)
-                if then is not None:
-                    then(written)
-            except BaseException as exc:  # noqa: BLE001 - raised below, on every rank
-                error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
-                error.__cause__ = exc
-        self.ranks.agree(error, f"checkpoint commit of {what}")
+        try:
+            reports = self._spread_write(part, source, flat[SKELETON_KEY] if rank == 0 else None, path, written,
+                                         writer.device, what, background=False)  # a failure: raised on every rank
+            self.last_written = written
+            error: BaseException | None = None
+            if rank == 0:
+                try:
+                    self._spread_commit(part, reports, path, written)
+                    if then is not None:
+                        then(written)
+                except BaseException as exc:  # noqa: BLE001 - raised below, on every rank
+                    error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
+                    error.__cause__ = exc
+            self.ranks.agree(error, f"checkpoint commit of {what}")
+        except BaseException:
+            self._spread = None  # raised on every rank alike: every rank plans the next save anew
+            raise
 
     def _spread_write(self, part: spread.Plan, source: direct.TensorSource, skeleton: Any, path: Path,
                       written: Written, device: Any, what: str, *, background: bool,
@@ -474,12 +478,13 @@ class DCPEngine:
         try:
             tensors = dict(zip((entry[0] for entry in part.layout.key), (values[i] for i in part.positions)))
             buffers = self._host_buffers(part.layout)
+            uploads = self._uploads()
+            device, ready = _training_queue()
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
             error = CheckpointWriteError(f"checkpoint save to {what} failed to start: {exc!r}")
             error.__cause__ = exc
         self.ranks.agree(error, f"checkpoint save to {what} (start)")
         skeleton = flat[SKELETON_KEY] if rank == 0 else None
-        device, ready = _training_queue()
         staged: Future = Future()
 
         def job() -> None:
@@ -491,12 +496,23 @@ class DCPEngine:
                 failure = exc
             else:
                 staged.set_result(None)
-            reports = self._spread_write(part, direct.tensors_of(buffers, plain=True), skeleton, path, written, device,
-                                         what, background=True, error=failure)
-            if rank == 0:
-                self._spread_commit(part, reports, path, written)  # a failure: the save's (then is not run)
+            try:
+                reports = self._spread_write(part, direct.tensors_of(buffers, plain=True), skeleton, path, written,
+                                             device, what, background=True, error=failure)
+                error: BaseException | None = None
+                if rank == 0:
+                    try:
+                        self._spread_commit(part, reports, path, written)
+                    except BaseException as exc:  # noqa: BLE001 - raised below, on every rank (then is not run)
+                        error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
+                        error.__cause__ = exc
+                # every rank's save fails with rank 0's .metadata, as inside DCP's last collective
+                self.ranks.agree(error, f"checkpoint commit of {what}", background=True)
+            except BaseException:
+                self._spread = None  # raised on every rank alike; the next save waits for this job first
+                raise
 
-        upload = self._uploads().submit(job)
+        upload = uploads.submit(job)
         self._worker.track(label, _then(upload, then, what, written), staged)
         self.last_written = written  # filled in as the background save runs
         _IN_FLIGHT[_key(label)] = self._worker

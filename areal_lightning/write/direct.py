@@ -6,10 +6,11 @@ value against the ``Stateful`` protocol. For what most checkpoints are -- one pr
 plain tensors, each saved whole, read back into tensors of the same shape -- there is
 nothing to plan. This module does those saves and loads itself, in the same on-disk format
 (DCP's ``.metadata``, raw items of :mod:`areal_lightning.write.raw`, every item's CRC32C),
-and writes each rank's part of a collective save of replicated plain tensors
-(:mod:`areal_lightning.write.spread`: ``ByteLayout(rank=r)``, :func:`write_files`,
-:meth:`ByteLayout.merged`); everything else (other collective saves, DTensor / ShardedTensor
-shards, resharding loads, object stores) goes through DCP.
+the memory tier's slots of sharded tensors (:class:`LocalShards`: each ``DTensor`` /
+``ShardedTensor`` as this rank's chunk, ``ByteLayout(chunks=...)``), and each rank's part of a
+collective save of replicated or sharded tensors (:mod:`areal_lightning.write.spread`:
+``ByteLayout(rank=r)``, :func:`write_files`, :meth:`ByteLayout.merged`); everything else
+(collective saves it does not take, resharding loads, object stores) goes through DCP.
 
 * :class:`ByteLayout`: the plan of a save, cached between saves: which file and offset each
   tensor goes to (every file's tensors first, the skeleton last in the first file, so a
@@ -318,16 +319,21 @@ class ByteLayout:
         entries = dict(first.metadata.state_dict_metadata)
         storage = dict(first.metadata.storage_data)
         for part in parts[1:]:  # every part but rank 0's without its skeleton
+            taken = {index for index in part.metadata.storage_data if index.fqn != SKELETON_KEY and index not in storage}
+            for index in taken:
+                storage[index] = part.metadata.storage_data[index]
             for fqn, md in part.metadata.state_dict_metadata.items():
                 have = entries.get(fqn)
                 if fqn == SKELETON_KEY:
                     continue
                 if have is None:
                     entries[fqn] = md
-                else:  # a sharded tensor: every rank's chunk of it
+                elif MetadataIndex(fqn, md.chunks[0].offsets) in taken:  # a sharded tensor: every rank's chunk of it
                     entries[fqn] = TensorStorageMetadata(have.properties, have.size, [*have.chunks, *md.chunks])
-            storage.update((index, info) for index, info in part.metadata.storage_data.items()
-                           if index.fqn != SKELETON_KEY)
+                # else: an empty chunk at the offsets of another rank's (a tensor of fewer rows than ranks):
+                # recorded once, as DCP's de-duplication keeps one
+        kept = {id(info) for info in storage.values()}
+        merged.files = [[item for item in items if id(item.info) in kept] for items in merged.files]
         merged._assembled(entries, storage)
         return merged
 

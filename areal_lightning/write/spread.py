@@ -1,4 +1,4 @@
-"""Write: a collective save of replicated plain tensors, spread over the ranks without DCP's planning.
+"""Write: a collective save of replicated and of sharded tensors, spread over the ranks without DCP's planning.
 
 Under DDP every rank holds the whole state as plain tensors. DCP plans such a save collectively
 every time: each rank makes a write item per tensor, the plans are gathered, de-duplicated
@@ -124,10 +124,10 @@ def plan(gathered: Sequence[tuple[Mapping[str, tuple], Any]], differ: Sequence[s
     whole = len(signature) if chunks is None else sum(chunk is None for chunk in chunks)
     if any(other.keys() != first.keys() for other in prints[1:]) or len(first) != whole:
         return None  # a replicated key some rank lacks: DCP plans it
-    token = (offers, tuple(differ))
+    world, differs = len(gathered), set(differ)
+    token = (offers, tuple(differ), rank, world)  # a process whose rank changed (a group made anew) plans anew
     if last is not None and last.token == token:
         return last
-    world, differs = len(gathered), set(differ)
     loads = [0] * world
     owner: dict[str, int] = {}
     for fqn, (dtype, shape, _) in first.items():
