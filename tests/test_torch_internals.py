@@ -123,6 +123,15 @@ def test_rebuild_sharded_tensor(one_rank_group) -> None:
     assert torch.equal(rebuilt.local_shards()[0].tensor, local.tensor + 1)
 
 
+def test_sharded_tensor_group_size(one_rank_group) -> None:
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+    from torch.distributed._shard.sharded_tensor.metadata import ShardMetadata
+
+    _, shard_cls = ti.sharded_tensor_types()
+    local = shard_cls(torch.arange(6.0).view(2, 3), ShardMetadata([0, 0], [2, 3], "rank:0/cpu"))
+    assert ti.sharded_tensor_group_size(init_from_local_shards([local], [2, 3])) == 1  # the world's group here
+
+
 def test_pin_memory() -> None:
     from torch.utils.data._utils import pin_memory as module
 
