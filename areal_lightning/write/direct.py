@@ -243,7 +243,7 @@ class ByteLayout:
         self.chunks = chunks
         """Per entry of ``key``: ``None`` for a whole tensor, or ``(global size, offsets)`` of a
         sharded tensor's local chunk (:class:`LocalShards`), recorded as DCP records a rank-local
-        save's chunk of a ``DTensor`` / ``ShardedTensor``; ``None`` for all."""
+        save's chunk of a ``DTensor`` / ``ShardedTensor``. ``None``: every entry whole."""
         self.rank = rank
         """The rank whose data files these are (``__{rank}_{i}.distcp``): 0 but in a collective
         save, where each rank writes its part (:meth:`merged`)."""
@@ -309,13 +309,13 @@ class ByteLayout:
         """The layout of a collective save whose rank ``r`` writes the files of ``parts[r]``
         (made with ``rank=r``; rank 0's holds the skeleton): its ``Metadata`` is the union of
         the parts' (a sharded tensor's entry lists every part's chunk of it) and its records are
-        theirs (a CRC32C put on a part's record is the merged layout's). Only its metadata, manifest and pickle are used (by rank 0, which writes
-        ``.metadata``); each rank writes its own part."""
+        theirs (a CRC32C put on a part's record is the merged layout's). Only its metadata,
+        manifest and pickle are used (by rank 0, which writes ``.metadata``); each rank writes
+        its own part, by its own layout (so the merged one has no :attr:`spans`)."""
         first = parts[0]
         merged = cls.__new__(cls)
         merged.key, merged.chunks, merged.rank, merged.skeleton = first.key, first.chunks, 0, first.skeleton
-        merged.files = [items for part in parts for items in part.files]
-        merged.spans = [span for part in parts for span in part.spans]
+        merged.spans = []
         entries = dict(first.metadata.state_dict_metadata)
         storage = dict(first.metadata.storage_data)
         for part in parts[1:]:  # every part but rank 0's without its skeleton
@@ -332,8 +332,8 @@ class ByteLayout:
                     entries[fqn] = TensorStorageMetadata(have.properties, have.size, [*have.chunks, *md.chunks])
                 # else: an empty chunk at the offsets of another rank's (a tensor of fewer rows than ranks):
                 # recorded once, as DCP's de-duplication keeps one
-        kept = {id(info) for info in storage.values()}
-        merged.files = [[item for item in items if id(item.info) in kept] for items in merged.files]
+        kept = {id(info) for info in storage.values()}  # the records of .metadata (what its pickle template patches)
+        merged.files = [[item for item in items if id(item.info) in kept] for part in parts for items in part.files]
         merged._assembled(entries, storage)
         return merged
 
