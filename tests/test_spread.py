@@ -9,7 +9,6 @@ tests/test_distributed.py save through it too (DDP, sync and async)."""
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 from pathlib import Path
 
