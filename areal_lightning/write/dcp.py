@@ -416,61 +416,54 @@ class DCPEngine:
     def _spread_save(self, flat: dict[str, Any], values: list[Any], plain: bool, path: Path, writer: HashingWriter,
                      then: Callable[[Written], None] | None, what: str, rank: int) -> None:
         """A collective sync save by :mod:`~areal_lightning.write.spread` (its plan in
-        ``self._spread``): this rank's part written to its files, then one agreement carrying
-        every rank's CRC32Cs, rank 0's ``.metadata`` and ``then``, and the commit's agreement.
-        ``values``: this rank's tensors in its signature's order."""
-        part, written = self._spread, writer.checksums.written
-        source = direct.tensors_of(flat, plain, [values[i] for i in part.positions])
+        ``self._spread``), in the caller's thread (:meth:`_spread_finish`). ``values``: this
+        rank's tensors in its signature's order."""
+        self._spread_finish(self._spread, direct.tensors_of(flat, plain, [values[i] for i in self._spread.positions]),
+                            flat[SKELETON_KEY] if rank == 0 else None, path, writer.checksums.written, writer.device,
+                            what, rank, then, background=False)
+
+    def _spread_finish(self, part: spread.Plan, source: direct.TensorSource, skeleton: Any, path: Path,
+                       written: Written, device: Any, what: str, rank: int, then: Callable[[Written], None] | None,
+                       *, background: bool, error: BaseException | None = None) -> None:
+        """Collective: write this rank's part of a spread save (``skeleton``: the skeleton on
+        rank 0, else ``None``) and agree, every rank's CRC32Cs going to rank 0; rank 0 writes
+        the merged ``.metadata`` and runs ``then``; all agree on that commit. A failure on any
+        rank (or this rank's ``error``) is raised on every rank, and every rank then drops the
+        plan (the next save plans anew). ``background``: on the background group (an async
+        save's thread; a commit that fails there fails every rank's save, as inside DCP's last
+        collective)."""
         try:
-            reports = self._spread_write(part, source, flat[SKELETON_KEY] if rank == 0 else None, path, written,
-                                         writer.device, what, background=False)  # a failure: raised on every rank
-            self.last_written = written
-            error: BaseException | None = None
+            report = None
+            if error is None:
+                try:
+                    data = direct.skeleton_bytes(skeleton) if skeleton is not None else None
+                    direct.write_files(source, data, path, part.layout, written, device=device)
+                    report = part.report()
+                except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+                    error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
+                    error.__cause__ = exc
+            reports = self.ranks.agree(error, f"checkpoint save to {what}", report, background=background)
+            part.confirmed = True
+            self.last_written = written  # every rank's part written (an async save's: the object it already was)
             if rank == 0:
                 try:
-                    self._spread_commit(part, reports, path, written)
+                    merged = part.merged(reports)
+                    direct.write_metadata(path, merged.metadata, written, layout=merged)
                     if then is not None:
                         then(written)
                 except BaseException as exc:  # noqa: BLE001 - raised below, on every rank
                     error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
                     error.__cause__ = exc
-            self.ranks.agree(error, f"checkpoint commit of {what}")
+            self.ranks.agree(error, f"checkpoint commit of {what}", background=background)
         except BaseException:
-            self._spread = None  # raised on every rank alike: every rank plans the next save anew
+            self._spread = None  # raised on every rank alike (an async save's next save waits for this first)
             raise
-
-    def _spread_write(self, part: spread.Plan, source: direct.TensorSource, skeleton: Any, path: Path,
-                      written: Written, device: Any, what: str, *, background: bool,
-                      error: BaseException | None = None) -> list[Any]:
-        """Collective: write this rank's part of a spread save (``skeleton``: the skeleton on
-        rank 0, else ``None``) and agree, returning every rank's report (its CRC32Cs, see
-        :meth:`~areal_lightning.write.spread.Plan.report`); a failure on any rank, or
-        ``error``, is raised on every rank. ``background``: on the background group (an async
-        save's thread)."""
-        report = None
-        if error is None:
-            try:
-                data = direct.skeleton_bytes(skeleton) if skeleton is not None else None
-                direct.write_files(source, data, path, part.layout, written, device=device)
-                report = part.report()
-            except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
-                error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
-                error.__cause__ = exc
-        reports = self.ranks.agree(error, f"checkpoint save to {what}", report, background=background)
-        part.confirmed = True
-        return reports
-
-    @staticmethod
-    def _spread_commit(part: spread.Plan, reports: list[Any], path: Path, written: Written) -> None:
-        """Rank 0 of a spread save: the merged ``.metadata`` (every rank's CRC32Cs from ``reports``)."""
-        merged = part.merged(reports)
-        direct.write_metadata(path, merged.metadata, written, layout=merged)
 
     def _spread_start(self, flat: dict[str, Any], values: list[Any], plain: bool, path: Path, writer: HashingWriter,
                       then: Callable[[Written], None] | None, what: str, label: str, rank: int) -> None:
         """A collective async save by :mod:`~areal_lightning.write.spread`: this rank's part
         staged into host buffers of its layout (made once) and written in the engine's
-        background thread, as :meth:`_spread_write` (``then`` after it on rank 0). Every rank
+        background thread, as :meth:`_spread_finish` (``then`` after it on rank 0). Every rank
         agrees that it can start before any starts (a failure here is raised on all, and no
         rank's background thread is left waiting for another's)."""
         part, written = self._spread, writer.checksums.written
@@ -496,21 +489,9 @@ class DCPEngine:
                 failure = exc
             else:
                 staged.set_result(None)
-            try:
-                reports = self._spread_write(part, direct.tensors_of(buffers, plain=True), skeleton, path, written,
-                                             device, what, background=True, error=failure)
-                error: BaseException | None = None
-                if rank == 0:
-                    try:
-                        self._spread_commit(part, reports, path, written)
-                    except BaseException as exc:  # noqa: BLE001 - raised below, on every rank (then is not run)
-                        error = CheckpointWriteError(f"checkpoint save to {what} failed: {exc!r}")
-                        error.__cause__ = exc
-                # every rank's save fails with rank 0's .metadata, as inside DCP's last collective
-                self.ranks.agree(error, f"checkpoint commit of {what}", background=True)
-            except BaseException:
-                self._spread = None  # raised on every rank alike; the next save waits for this job first
-                raise
+            # then runs after the job, on rank 0 (_then below)
+            self._spread_finish(part, direct.tensors_of(buffers, plain=True), skeleton, path, written, device, what,
+                                rank, None, background=True, error=failure)
 
         upload = uploads.submit(job)
         self._worker.track(label, _then(upload, then, what, written), staged)
